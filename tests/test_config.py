@@ -1,0 +1,140 @@
+"""Composition of every group option, schema enforcement, and the one-line exit-2 config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import CONF_DIR, compose_config, run_cli
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.schema import GROUPS, Config
+from trmoe.errors import UserError
+
+GROUP_OPTIONS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_has_options_and_a_default():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert groups == set(GROUPS)
+    cfg = to_config(compose_config())
+    assert isinstance(cfg, Config)
+    assert (cfg.model.name, cfg.attention.kind.value, cfg.routing.strategy.value) == (
+        "tiny",
+        "gqa",
+        "modulo_cyclic",
+    )
+    assert (cfg.optimizer.name, cfg.data.source.value, cfg.hardware.device.value) == (
+        "adamw",
+        "embedded",
+        "auto",
+    )
+    assert cfg.loss.backend.value == "chunked"
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)
+def test_every_option_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("data", "text"):
+        overrides.append("data.text_path=/some/corpus.txt")
+    cfg = to_config(compose_config(*overrides))
+    spec = model_spec(cfg)
+    assert spec.num_heads % spec.num_kv_heads == 0
+    if group == "model":
+        assert cfg.model.name == option
+    if group == "attention":
+        assert cfg.attention.kind.value == option
+        expected = {"mha": cfg.model.num_heads, "mqa": 1, "gqa": cfg.model.num_kv_heads}[option]
+        assert spec.num_kv_heads == expected
+    if group == "routing":
+        assert cfg.routing.strategy.value == option
+
+
+def test_schema_rejects_unknown_keys_and_bad_values():
+    with pytest.raises(ConfigCompositionException, match="hiden_size"):
+        compose_config("model.hiden_size=64")
+    with pytest.raises(ConfigCompositionException, match="mla"):
+        compose_config("attention.kind=mla")
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError), match="top_k"):
+        compose_config("routing.top_k=two")
+
+
+def test_depth_interpolated_scales_and_forced_primary_weight():
+    cfg = to_config(compose_config("model=100m", "model.routed_scale=1.0", "model.routed_scale_last=2.0"))
+    spec = model_spec(cfg)
+    assert spec.routed_scales[0] == 1.0 and spec.routed_scales[-1] == 2.0
+    assert spec.routed_scales[5] == pytest.approx(1.0 + 5 / 9)
+    assert spec.shared_scales == (1.0,) * 10
+    assert (
+        model_spec(to_config(compose_config("routing.top_k=1", "routing.primary_weight=0.3"))).primary_weight
+        == 1.0
+    )
+
+
+CROSS_FIELD_ERRORS = [
+    (["model.num_kv_heads=3"], "model.num_kv_heads=3"),
+    (["model.num_heads=3"], "model.num_heads=3"),
+    (["routing.top_k=5"], "routing.top_k=5"),
+    (["model.routed_width=66"], "model.routed_width=66"),
+    (["model.shared_width=0", "model.routed_width=0"], "model.routed_width=0"),
+    (["trainer.seq_len=4096"], "trainer.seq_len=4096"),
+    (["routing.primary_weight=1.5"], "routing.primary_weight=1.5"),
+    (["data=text"], "data.text_path"),
+    (["data.eval_fraction=0"], "data.eval_fraction=0"),
+    (["loss.label_smoothing=1.0"], "loss.label_smoothing=1.0"),
+    (["trainer.steps=0"], "trainer.steps=0"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), CROSS_FIELD_ERRORS)
+def test_cross_field_rules_name_the_key(overrides, key):
+    with pytest.raises(UserError) as err:
+        to_config(compose_config(*overrides))
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["model.num_kv_heads=3"], "model.num_kv_heads=3"),
+        (["routing.top_k=5"], "routing.top_k=5"),
+        (["trainer.seq_len=4096"], "trainer.seq_len=4096"),
+        (["data=text", "data.text_path=does/not/exist.txt"], "does/not/exist.txt"),
+        (["hardware=cuda"], "hardware=cuda"),
+        (["model.vocab_size=1000"], "model.vocab_size=1000"),
+    ],
+)
+def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, needle):
+    result = run_cli([*args, "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    leftovers = [p for p in tmp_path.rglob("*")]
+    assert leftovers == [], f"a failed start left files behind: {leftovers}"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["model.hiden_size=8"], "hiden_size"), (["routing=nope"], "nope"), (["attention.kind=mla"], "mla")],
+)
+def test_cli_composition_errors_exit_2_naming_the_key(tmp_path: Path, args, needle):
+    result = run_cli(args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_cli_cfg_job_and_help(tmp_path: Path):
+    result = run_cli(["--cfg", "job", "model=100m", "attention=mha"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "hidden_size: 384" in result.stdout and "kind: mha" in result.stdout
+    result = run_cli(["--help"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0
+    for group in GROUPS:
+        assert f"{group}:" in result.stdout
+    assert list(tmp_path.rglob("*")) == []

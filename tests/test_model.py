@@ -1,0 +1,198 @@
+"""Parameter parity with the reference profiles, dispatch exactness, the dense control, init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import compose_config
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.model.moe import RoutedExperts, TRMoEFFN, route_weights, swiglu
+from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts
+
+# Reference totals: vocab 200,019, learnable gates on, no vocab padding (anchor report, section 3).
+PARITY = {
+    "50m": (51_919_248, 51_575_184),
+    "100m": (99_672_020, 98_934_740),
+    "200m": (200_081_960, None),
+    "300m": (300_806_420, None),
+    "1b": (1_030_812_200, None),
+    "8b": (8_201_527_360, None),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(PARITY))
+def test_parameter_parity_with_reference(profile):
+    counts = parameter_counts(model_spec(to_config(compose_config(f"model={profile}"))))
+    total, active = PARITY[profile]
+    assert counts.total == total
+    if active is not None:
+        assert counts.active == active
+    assert counts.embedding + counts.non_embedding == counts.total
+
+
+def test_active_parameters_formula_and_real_model_agree():
+    spec = model_spec(to_config(compose_config("model.num_experts=4", "routing.top_k=1")))
+    model = TRMoETransformer(spec)
+    counts = count_parameters(model)
+    assert counts == parameter_counts(spec)
+    idle = spec.num_layers * 3 * spec.hidden_size * spec.expert_width * (spec.num_experts - spec.top_k)
+    assert counts.total - counts.active == idle
+
+
+def test_vocab_padding_rounds_the_embedding_only():
+    spec = model_spec(to_config(compose_config("model.vocab_pad_multiple=64")))
+    assert spec.embedding_rows == 200_064 and spec.vocab_size == 200_019
+    model = TRMoETransformer(spec)
+    assert model.embed.weight.shape[0] == 200_064
+    assert model.blocks[0].ffn.routed.route_table.shape[1] == 200_019
+
+
+def _naive_routed(module: RoutedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-token reference: y_n = sum_k w_k * E_{table[k, t_n]}(x_n)."""
+    weights = route_weights(module.top_k, module.primary_weight)
+    rows = []
+    for n in range(x.shape[0]):
+        y = torch.zeros_like(x[n])
+        for k in range(module.top_k):
+            e = int(module.route_table[k, ids[n]])
+            y = y + weights[k] * swiglu(x[n : n + 1], module.w_in[e], module.w_out[e])[0]
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["modulo_cyclic", "random", "balanced_hash", "affine_hash", "multi_hash"]
+)
+@pytest.mark.parametrize(
+    ("experts", "top_k", "p"), [(4, 1, 1.0), (4, 2, 0.5), (4, 2, 0.8), (8, 3, 0.6), (3, 3, 0.2)]
+)
+def test_dispatch_equals_naive_per_token_reference(strategy, experts, top_k, p):
+    torch.manual_seed(0)
+    module = RoutedExperts(
+        16, experts * 6, experts, top_k, p, vocab_size=97, layer=1, strategy=strategy, seed=3, hash_count=2
+    ).double()
+    for param in module.parameters():
+        torch.nn.init.normal_(param, 0, 0.3)
+    x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 97, (37,))
+    fast = module(x, ids)
+    ref = _naive_routed(module, x, ids)
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
+    grads_fast = torch.autograd.grad(fast.square().sum(), [x, module.w_in, module.w_out])
+    grads_ref = torch.autograd.grad(ref.square().sum(), [x, module.w_in, module.w_out])
+    for a, b in zip(grads_fast, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_dispatch_does_k_rows_of_work_per_token(monkeypatch):
+    """Count the rows each expert multiplies: K x tokens in total, never E x tokens."""
+    import trmoe.model.moe as moe
+
+    rows = []
+    real = moe.swiglu
+    monkeypatch.setattr(moe, "swiglu", lambda x, w_in, w_out: rows.append(x.shape[0]) or real(x, w_in, w_out))
+    module = RoutedExperts(
+        8, 32, 4, 2, 0.5, vocab_size=1000, layer=0, strategy="modulo_cyclic", seed=0, hash_count=2
+    )
+    module(torch.randn(500, 8), torch.randint(0, 1000, (500,)))
+    assert sum(rows) == 2 * 500 and len(rows) <= 4
+
+
+def test_dense_control_equals_one_swiglu_of_combined_width():
+    """E=1, K=1 with gates off: shared (width S) + one expert (width R) == a dense SwiGLU of width S+R."""
+    torch.manual_seed(0)
+    h, s, r = 12, 10, 6
+    ffn = TRMoEFFN(
+        h,
+        s,
+        r,
+        1,
+        1,
+        1.0,
+        gates=False,
+        shared_gate_init=1.0,
+        routed_gate_init=1.0,
+        shared_scale=1.0,
+        routed_scale=1.0,
+        vocab_size=50,
+        layer=0,
+        strategy="modulo_cyclic",
+        seed=0,
+        hash_count=2,
+    ).double()
+    for param in ffn.parameters():
+        torch.nn.init.normal_(param, 0, 0.3)
+    sg, su = ffn.shared.w_in.chunk(2, dim=1)
+    rg, ru = ffn.routed.w_in[0].chunk(2, dim=1)
+    w_in = torch.cat([sg, rg, su, ru], dim=1)
+    w_out = torch.cat([ffn.shared.w_out, ffn.routed.w_out[0]], dim=0)
+    x = torch.randn(2, 9, h, dtype=torch.float64)
+    torch.testing.assert_close(ffn(x, torch.randint(0, 50, (2, 9))), swiglu(x, w_in, w_out))
+
+
+def test_ffn_formula_gates_scales_and_weights():
+    torch.manual_seed(0)
+    ffn = TRMoEFFN(
+        8,
+        4,
+        8,
+        4,
+        2,
+        0.7,
+        gates=True,
+        shared_gate_init=0.5,
+        routed_gate_init=2.0,
+        shared_scale=3.0,
+        routed_scale=0.25,
+        vocab_size=40,
+        layer=2,
+        strategy="affine_hash",
+        seed=1,
+        hash_count=2,
+    ).double()
+    for p in (ffn.shared.w_in, ffn.shared.w_out, ffn.routed.w_in, ffn.routed.w_out):
+        torch.nn.init.normal_(p, 0, 0.3)
+    x, ids = torch.randn(11, 8, dtype=torch.float64), torch.randint(0, 40, (11,))
+    expected = 3.0 * 0.5 * swiglu(x, ffn.shared.w_in, ffn.shared.w_out) + 0.25 * 2.0 * _naive_routed(
+        ffn.routed, x, ids
+    )
+    torch.testing.assert_close(ffn(x, ids), expected)
+    assert route_weights(2, 0.7) == [0.7, pytest.approx(0.3)]
+    assert route_weights(3, 0.5) == [0.5, 0.25, 0.25]
+
+
+def test_init_statistics_and_tied_head():
+    spec = model_spec(to_config(compose_config("model=50m", "model.vocab_size=5000")))
+    torch.manual_seed(0)
+    model = TRMoETransformer(spec)
+    residual = 0.02 / math.sqrt(2 * spec.num_layers)
+    block = model.blocks[0]
+    assert block.attn.out.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert block.ffn.shared.w_out.std().item() == pytest.approx(residual, rel=0.05)
+    assert block.ffn.routed.w_out.std().item() == pytest.approx(residual, rel=0.05)
+    assert block.ffn.shared.w_in.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.ffn.routed.w_in.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(block.attn_norm.weight == 1) and torch.all(block.attn.q_norm.weight == 1)
+    assert block.ffn.shared_gate.item() == 1.0 and block.ffn.routed_gate.item() == 1.0
+    ids = torch.randint(0, 5000, (2, 16))
+    hidden = model(ids)
+    assert hidden.shape == (2, 16, spec.hidden_size)
+    assert model.logits(hidden).shape == (2, 16, 5000)
+    assert model.head_weight is model.embed.weight
+
+
+def test_route_tables_are_persistent_buffers_and_causality_holds():
+    spec = model_spec(to_config(compose_config("model.vocab_size=300", "routing=multi_hash")))
+    model = TRMoETransformer(spec)
+    state = model.state_dict()
+    assert "blocks.0.ffn.routed.route_table" in state and "rope_cos" not in state
+    assert not torch.equal(state["blocks.0.ffn.routed.route_table"], state["blocks.1.ffn.routed.route_table"])
+    ids = torch.randint(0, 300, (1, 20))
+    changed = ids.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 300
+    torch.testing.assert_close(model(ids)[:, :10], model(changed)[:, :10])

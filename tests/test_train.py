@@ -1,0 +1,185 @@
+"""End-to-end training: loss falls, the run directory is complete, runs are deterministic, the CLI works
+from any directory, sweeps produce one run directory per job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_config, run_cli
+
+from trmoe.train.checkpoint import load_checkpoint
+from trmoe.train.loop import train
+from trmoe.train.records import METRIC_COLUMNS
+
+FAST = [
+    "trainer.micro_batch=4",
+    "trainer.seq_len=64",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=5",
+    "trainer.eval_batches=2",
+    "hardware=cpu",
+    "run.progress=log",
+]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, float]:
+    run_dir = tmp_path_factory.mktemp("run") / "r"
+    final = train(
+        compose_config(*FAST, "trainer.steps=40", "trainer.eval_every=20", "trainer.log_every=10"), run_dir
+    )
+    return run_dir, final
+
+
+def test_loss_decreases_and_the_app_returns_the_final_eval_loss(trained):
+    run_dir, final = trained
+    rows = _rows(run_dir)
+    evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"] != "nan"]
+    assert [s for s, _ in evals] == [0, 20, 40]
+    start = evals[0][1]
+    assert start == pytest.approx(math.log(200_019), abs=0.1)  # untrained: uniform over the vocabulary
+    assert evals[-1][1] < start - 2.0, evals
+    assert final == pytest.approx(evals[-1][1], rel=1e-5)
+    train_losses = [float(r["train_loss"]) for r in rows if r["train_loss"] != "nan"]
+    assert train_losses[-1] < train_losses[0] - 2.0
+
+
+def test_run_directory_holds_every_record(trained):
+    run_dir, _ = trained
+    for name in (".hydra/config.yaml", "train.log", "run_config.json", "metrics.csv", "checkpoints/latest"):
+        assert (run_dir / name).is_file(), name
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert rc["schema_version"] == 1
+    assert rc["tokens_per_step"] == 4 * 64 and rc["total_tokens"] == 40 * 4 * 64
+    assert rc["params"]["total"] == 12_924_484 and rc["params"]["active"] < rc["params"]["total"]
+    assert rc["world_size"] == 1 and rc["backend"]["device"] == "cpu"
+    assert rc["config"]["model"]["name"] == "tiny" and rc["model_spec"]["num_kv_heads"] == 2
+    assert rc["data"]["source"] == "embedded" and rc["data"]["tokenizer"] == "o200k_base"
+    assert "commit" in rc["git"]
+    with open(run_dir / "metrics.csv") as f:
+        assert tuple(next(csv.reader(f))) == METRIC_COLUMNS
+    steps = [int(r["step"]) for r in _rows(run_dir)]
+    assert steps == [0, 1, 10, 20, 30, 40]
+    assert all(float(r["tok_s"]) > 0 for r in _rows(run_dir)[1:])
+    ckpt = load_checkpoint(run_dir / "checkpoints")
+    assert ckpt["step"] == 40 and "blocks.0.ffn.routed.route_table" in ckpt["model"]
+    assert "run directory" in (run_dir / "train.log").read_text()
+
+
+def test_same_config_gives_identical_metrics(tmp_path):
+    a = train(compose_config(*FAST, "trainer.steps=6", "trainer.log_every=1"), tmp_path / "a")
+    b = train(compose_config(*FAST, "trainer.steps=6", "trainer.log_every=1"), tmp_path / "b")
+    assert a == b
+    loss_columns = ("train_loss", "train_objective", "eval_loss", "grad_norm")
+    rows_a, rows_b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [[r[c] for c in loss_columns] for r in rows_a] == [[r[c] for c in loss_columns] for r in rows_b]
+    wa = load_checkpoint(tmp_path / "a" / "checkpoints")["model"]
+    wb = load_checkpoint(tmp_path / "b" / "checkpoints")["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
+    train(
+        compose_config(*FAST, "trainer.steps=3", "trainer.log_every=1", "trainer.micro_batch=4"),
+        tmp_path / "big",
+    )
+    train(
+        compose_config(
+            *FAST, "trainer.steps=3", "trainer.log_every=1", "trainer.micro_batch=2", "trainer.grad_accum=2"
+        ),
+        tmp_path / "acc",
+    )
+    big_rows, acc_rows = _rows(tmp_path / "big"), _rows(tmp_path / "acc")
+    for a, b in zip(big_rows[1:], acc_rows[1:], strict=True):
+        assert int(a["tokens"]) == int(b["tokens"])
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), abs=1e-5)
+        assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-4)
+    wa = load_checkpoint(tmp_path / "big" / "checkpoints")["model"]
+    wb = load_checkpoint(tmp_path / "acc" / "checkpoints")["model"]
+    for key in wa:  # Adam divides by sqrt(v): gradients that are ~0 can differ by a few ulps in sign
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-4)
+
+
+def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
+    train(
+        compose_config(
+            *FAST, "trainer.steps=2", "trainer.log_every=1", "loss.label_smoothing=0.1", "loss.z_loss=1e-3"
+        ),
+        tmp_path / "r",
+    )
+    row = _rows(tmp_path / "r")[1]
+    assert float(row["train_objective"]) > float(row["train_loss"]) + 0.1
+
+
+def test_existing_run_directory_is_never_overwritten(tmp_path):
+    cfg = compose_config(*FAST, "trainer.steps=1")
+    train(cfg, tmp_path / "r")
+    before = (tmp_path / "r" / "metrics.csv").read_bytes()
+    from trmoe.errors import UserError
+
+    with pytest.raises(UserError, match="already holds a run"):
+        train(cfg, tmp_path / "r")
+    assert (tmp_path / "r" / "metrics.csv").read_bytes() == before
+
+
+def test_cli_text_data_relative_path_from_another_directory(tmp_path):
+    corpus = tmp_path / "work" / "corpus.txt"
+    corpus.parent.mkdir()
+    docs = [
+        f"Document {i}: the quick brown fox number {i} jumps over the lazy dog again and again."
+        for i in range(60)
+    ]
+    corpus.write_text("\n\n".join(docs))
+    result = run_cli(
+        [
+            "data=text",
+            "data.text_path=corpus.txt",
+            "data.eval_fraction=0.2",
+            "trainer.steps=3",
+            "run.name=textrun",
+            "trainer.seq_len=16",
+            "trainer.micro_batch=2",
+            *FAST[4:],
+        ],
+        cwd=corpus.parent,
+    )
+    assert result.returncode == 0, result.stderr
+    run_dir = corpus.parent / "runs" / "textrun"
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert rc["data"]["path"] == str(corpus.resolve())
+    assert rc["run_name"] == "textrun"
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text().count("data=text") == 1
+    assert "step 3/3" in result.stdout  # plain log lines when stdout is not a terminal
+
+
+def test_cli_multirun_writes_one_directory_per_job(tmp_path):
+    result = run_cli(
+        [
+            "--multirun",
+            "routing=modulo_cyclic,multi_hash",
+            "data=random",
+            "model.vocab_size=512",
+            "trainer.steps=2",
+            *FAST[:2],
+            "hardware=cpu",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    jobs = sorted(p.parent for p in (tmp_path / "multirun").rglob("run_config.json"))
+    assert [p.name for p in jobs] == ["0", "1"]
+    strategies = [
+        json.loads((p / "run_config.json").read_text())["config"]["routing"]["strategy"] for p in jobs
+    ]
+    assert strategies == ["modulo_cyclic", "multi_hash"]
+    assert all((p / "metrics.csv").is_file() for p in jobs)

@@ -1,0 +1,301 @@
+"""Fixed token-id routing for TR-Hash MoE layers.
+
+Every token is sent to ``K`` of ``E`` routed experts by a fixed function of its token id; there is
+no learned router. Per layer a *route table* ``table[k, t]`` holds the ``k``-th expert of token id
+``t`` (``k = 0`` is the primary route). The ``K`` experts of a token are always distinct. A table is
+a pure function of ``(strategy, vocab_size, num_experts, top_k, layer, seed, hash_count)``: all
+randomness comes from ``mix32`` (a 32-bit integer finalizer) and from
+``numpy.random.Generator(PCG64(...))`` seeded by a per-layer salt, never from global RNG state.
+
+Notation: ``V`` vocabulary size, ``E`` experts, ``K`` routes per token, ``t`` token id,
+``salt = mix32(mix32(seed) ^ (layer * 0x9E3779B1 mod 2^32))`` and ``units`` the integers in
+``[1, E)`` coprime with ``E`` (``[0]`` for ``E = 1``).
+
+Strategies:
+
+* ``modulo_cyclic``: ``pi`` a per-layer permutation of the expert labels;
+  ``r_0(t) = pi[t mod E]``, ``r_k(t) = (r_0(t) + k) mod E``. The token partition is the same in
+  every layer, only the labels change. Counts per expert per slot differ by at most 1.
+* ``random``: each token draws an independent, uniformly random ordered K-subset of the experts
+  (the K smallest of E uniform keys, in order). Balance is statistical only.
+* ``balanced_hash``: a per-layer random permutation of the token ids gives each token a rank
+  ``rho``; block ``g = rho // E``, position ``q = rho % E``; a per-block stride
+  ``s = units[mix32(g ^ salt) mod len(units)]``; ``pi'`` a per-layer label permutation;
+  ``r_k(t) = pi'[(q + k*s) mod E]``. Every slot is exactly balanced in each full block of E ranks
+  (counts per expert per slot differ by at most 1) and the partition changes per layer.
+* ``affine_hash``: ``base = mix32(t ^ salt) mod E``,
+  ``stride = units[mix32(t + (salt ^ 0x85EBCA77)) mod len(units)]``,
+  ``r_k(t) = (base + k*stride) mod E``. Balance is statistical only.
+* ``multi_hash``: rendezvous voting by ``H = hash_count`` hash functions. With
+  ``salt_h = salt + h*0x85EBCA77`` (mod 2^32),
+  ``score(t, e) = sum_{h<H} mix32(t ^ mix32(e + (salt_h ^ 0xC2B2AE3D)) ^ salt_h)`` (a 64-bit sum);
+  the routes are the K experts of largest score, in descending order, ties to the lower expert id.
+  Balance is statistical only.
+
+Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
+slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
+``modulo_cyclic`` and ``balanced_hash`` are within ``1 +- 1e-4`` (exact up to one token);
+``random``, ``affine_hash`` and ``multi_hash`` are within ``1 +- 0.03``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "STRATEGIES",
+    "balance_stats",
+    "build_route_table",
+    "layer_salt",
+    "mix32",
+    "route_counts",
+]
+
+STRATEGIES: tuple[str, ...] = ("modulo_cyclic", "random", "balanced_hash", "affine_hash", "multi_hash")
+
+MAX_EXPERTS = 32768  # expert ids must fit the int16 table dtype
+MAX_HASH_COUNT = 8
+
+_M32 = 0xFFFFFFFF
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B
+_GOLDEN = 0x9E3779B1
+_STRIDE_SALT = 0x85EBCA77
+_EXPERT_SALT = 0xC2B2AE3D
+# Elements of a [rows, E] work matrix processed at once (cache-sized; results never depend on it).
+_CHUNK_ELEMENTS = 1 << 16
+# Up to this K, the K smallest keys are found by repeated argmin instead of a partition.
+_ARGMIN_MAX_K = 4
+
+
+def mix32(x: Any) -> Any:
+    """32-bit mixing finalizer (mod 2^32): ``x ^= x>>16; x *= 0x7FEB352D; x ^= x>>15;
+    x *= 0x846CA68B; x ^= x>>16``. A Python int gives a Python int; an array gives a uint32 array."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        v = int(x) & _M32
+        v ^= v >> 16
+        v = (v * _C1) & _M32
+        v ^= v >> 15
+        v = (v * _C2) & _M32
+        v ^= v >> 16
+        return v
+    a = np.asarray(x)
+    if a.dtype != np.uint32:
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"mix32 expects integers, got dtype {a.dtype}")
+        a = (a.astype(np.uint64) & np.uint64(_M32)).astype(np.uint32)
+    else:
+        a = a.copy()
+    return _mix32_inplace(a)
+
+
+def _mix32_inplace(a: np.ndarray) -> np.ndarray:
+    """mix32 of a uint32 array, overwriting it (uint32 array arithmetic wraps modulo 2^32)."""
+    a ^= a >> np.uint32(16)
+    a *= np.uint32(_C1)
+    a ^= a >> np.uint32(15)
+    a *= np.uint32(_C2)
+    a ^= a >> np.uint32(16)
+    return a
+
+
+def layer_salt(seed: int, layer: int) -> int:
+    """Per-layer 32-bit salt: ``mix32(mix32(seed) ^ (layer * 0x9E3779B1 mod 2^32))``.
+    The seed is taken modulo 2^32."""
+    return mix32(mix32(seed) ^ ((layer * _GOLDEN) & _M32))
+
+
+def _rng(salt: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(salt))
+
+
+def _units(num_experts: int) -> np.ndarray:
+    """Integers in [1, E) coprime with E, ascending; [0] for E = 1."""
+    if num_experts == 1:
+        return np.zeros(1, dtype=np.int64)
+    return np.array([u for u in range(1, num_experts) if math.gcd(u, num_experts) == 1], dtype=np.int64)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _validate(
+    strategy: Any, vocab_size: Any, num_experts: Any, top_k: Any, layer: Any, seed: Any, hash_count: Any
+) -> tuple[str, int, int, int, int, int, int]:
+    name = getattr(strategy, "value", strategy)  # accept a str Enum such as RoutingStrategy
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"unknown routing strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    v = _check_int("vocab_size", vocab_size)
+    e = _check_int("num_experts", num_experts)
+    k = _check_int("top_k", top_k)
+    lay = _check_int("layer", layer)
+    sd = _check_int("seed", seed)
+    h = _check_int("hash_count", hash_count)
+    if v < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {v}")
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS}, got {e}")
+    if not 1 <= k <= e:
+        raise ValueError(f"top_k must be in 1..num_experts (1..{e}), got {k}")
+    if lay < 0:
+        raise ValueError(f"layer must be >= 0, got {lay}")
+    if not 1 <= h <= MAX_HASH_COUNT:
+        raise ValueError(f"hash_count must be in 1..{MAX_HASH_COUNT}, got {h}")
+    return name, v, e, k, lay, sd, h
+
+
+def _smallest_k(keys: np.ndarray, top_k: int) -> np.ndarray:
+    """Column indices of the ``top_k`` smallest keys of each row, ascending by key; ``keys`` must be
+    unique within a row (then the result equals a stable argsort's first ``top_k`` columns).
+    ``keys`` may be overwritten."""
+    rows, cols = keys.shape
+    if top_k == cols:
+        return np.argsort(keys, axis=1, kind="stable")
+    if top_k <= _ARGMIN_MAX_K:
+        out = np.empty((rows, top_k), dtype=np.int64)
+        row_ids = np.arange(rows)
+        big = np.inf if keys.dtype.kind == "f" else np.iinfo(keys.dtype).max
+        for k in range(top_k):
+            out[:, k] = np.argmin(keys, axis=1)
+            keys[row_ids, out[:, k]] = big
+        return out
+    idx = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]
+    order = np.argsort(np.take_along_axis(keys, idx, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(idx, order, axis=1)
+
+
+def _modulo_cyclic(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
+    pi = _rng(salt).permutation(experts)
+    r0 = pi[np.arange(vocab, dtype=np.int64) % experts]
+    k = np.arange(top_k, dtype=np.int64)[:, None]
+    return (r0[None, :] + k) % experts
+
+
+def _random(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
+    rng = _rng(salt)
+    out = np.empty((top_k, vocab), dtype=np.int64)
+    rows = max(1, _CHUNK_ELEMENTS // experts)
+    for start in range(0, vocab, rows):
+        n = min(rows, vocab - start)
+        # Successive float64 draws continue one stream, so chunking does not change the result.
+        keys = rng.random((n, experts))
+        out[:, start : start + n] = _smallest_k(keys, top_k).T
+    return out
+
+
+def _balanced_hash(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
+    rng = _rng(salt)
+    sigma = rng.permutation(vocab)
+    labels = rng.permutation(experts)
+    rank = np.empty(vocab, dtype=np.int64)
+    rank[sigma] = np.arange(vocab, dtype=np.int64)
+    block = rank // experts
+    pos = rank % experts
+    units = _units(experts)
+    num_blocks = (vocab + experts - 1) // experts
+    block_hash = mix32(np.arange(num_blocks, dtype=np.uint32) ^ np.uint32(salt)).astype(np.int64)
+    stride = units[block_hash % len(units)][block]
+    k = np.arange(top_k, dtype=np.int64)[:, None]
+    return labels[(pos[None, :] + k * stride[None, :]) % experts]
+
+
+def _affine_hash(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
+    t = np.arange(vocab, dtype=np.uint32)
+    base = mix32(t ^ np.uint32(salt)).astype(np.int64) % experts
+    units = _units(experts)
+    stride = units[mix32(t + np.uint32(salt ^ _STRIDE_SALT)).astype(np.int64) % len(units)]
+    k = np.arange(top_k, dtype=np.int64)[:, None]
+    return (base[None, :] + k * stride[None, :]) % experts
+
+
+def _multi_hash(vocab: int, experts: int, top_k: int, salt: int, hash_count: int) -> np.ndarray:
+    e = np.arange(experts, dtype=np.uint32)
+    salts = [(salt + h * _STRIDE_SALT) & _M32 for h in range(hash_count)]
+    # Per hash function, the expert part of the key: mix32(e + (salt_h ^ C)) ^ salt_h, shape [E].
+    expert_keys = [mix32(e + np.uint32(s ^ _EXPERT_SALT)) ^ np.uint32(s) for s in salts]
+    # score <= top = H * (2^32 - 1), so (top - score) * E + e < 2^64: a unique ascending key that
+    # puts the larger score first and, on ties, the lower expert id (the order of a stable sort).
+    top = np.uint64(hash_count * _M32)
+    e64 = e.astype(np.uint64)[None, :]
+    out = np.empty((top_k, vocab), dtype=np.int64)
+    rows = max(1, _CHUNK_ELEMENTS // experts)
+    for start in range(0, vocab, rows):
+        t = np.arange(start, min(start + rows, vocab), dtype=np.uint32)[:, None]
+        score = np.zeros((t.shape[0], experts), dtype=np.uint64)
+        for ek in expert_keys:
+            score += _mix32_inplace(t ^ ek[None, :])
+        key = np.subtract(top, score, out=score)
+        key *= np.uint64(experts)
+        key += e64
+        out[:, start : start + t.shape[0]] = _smallest_k(key, top_k).T
+    return out
+
+
+def build_route_table(
+    strategy: str,
+    vocab_size: int,
+    num_experts: int,
+    top_k: int,
+    layer: int,
+    seed: int = 0,
+    hash_count: int = 2,
+) -> torch.Tensor:
+    """Route table of one layer: ``[top_k, vocab_size]`` tensor of expert ids, ``table[k, t]`` the
+    k-th expert of token id t (distinct over k); dtype torch.uint8 if num_experts <= 256 else
+    torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``.
+    Raises ValueError on an unknown strategy or out-of-range sizes."""
+    name, vocab, experts, k, lay, sd, h = _validate(
+        strategy, vocab_size, num_experts, top_k, layer, seed, hash_count
+    )
+    salt = layer_salt(sd, lay)
+    if name == "modulo_cyclic":
+        table = _modulo_cyclic(vocab, experts, k, salt)
+    elif name == "random":
+        table = _random(vocab, experts, k, salt)
+    elif name == "balanced_hash":
+        table = _balanced_hash(vocab, experts, k, salt)
+    elif name == "affine_hash":
+        table = _affine_hash(vocab, experts, k, salt)
+    else:
+        table = _multi_hash(vocab, experts, k, salt, h)
+    dtype = np.uint8 if experts <= 256 else np.int16
+    return torch.from_numpy(np.ascontiguousarray(table.astype(dtype)))
+
+
+def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert."""
+    if table.dim() != 2:
+        raise ValueError(f"route table must be 2-D [top_k, vocab_size], got shape {tuple(table.shape)}")
+    experts = _check_int("num_experts", num_experts)
+    if experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {experts}")
+    ids = table.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+        raise ValueError(f"route table holds expert ids outside 0..{experts - 1}")
+    counts = torch.zeros((table.shape[0], experts), dtype=torch.int64)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts
+
+
+def balance_stats(table: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """Per-layer balance figures: ``primary_max_over_mean`` and ``primary_min_over_mean`` (counts of
+    slot 0 against their mean V/E), ``all_max_over_mean`` and ``all_min_over_mean`` (counts of all
+    K slots summed, against their mean K*V/E)."""
+    counts = route_counts(table, num_experts).to(torch.float64)
+    primary = counts[0]
+    total = counts.sum(dim=0)
+    p_mean = float(primary.mean())
+    a_mean = float(total.mean())
+    return {
+        "primary_max_over_mean": float(primary.max()) / p_mean,
+        "all_max_over_mean": float(total.max()) / a_mean,
+        "primary_min_over_mean": float(primary.min()) / p_mean,
+        "all_min_over_mean": float(total.min()) / a_mean,
+    }

@@ -1,0 +1,165 @@
+"""The TR-Hash MoE decoder, top to bottom.
+
+    h = embed(t)
+    for each block:  h = h + Attn(RMSNorm(h));  h = h + TRMoEFFN(RMSNorm(h), t)
+    h = RMSNorm(h);  logits = h @ embed.weight.T       (tied head; the loss never materialises all logits)
+
+The FFN sees the *input* token id t of each position: that is what its route tables are indexed by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from trmoe.model.attention import Attention, RMSNorm, rope_cache
+from trmoe.model.moe import TRMoEFFN
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the model needs, resolved from the config (trmoe.config.resolve.model_spec)."""
+
+    vocab_size: int  # token ids the route tables cover
+    embedding_rows: int  # vocab_size rounded up to model.vocab_pad_multiple
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_seq_len: int
+    qk_norm: bool
+    rope_theta: float
+    shared_width: int
+    routed_width: int
+    num_experts: int
+    top_k: int
+    primary_weight: float
+    strategy: str
+    route_seed: int
+    hash_count: int
+    gates: bool
+    shared_gate_init: float
+    routed_gate_init: float
+    shared_scales: tuple[float, ...]  # a per layer
+    routed_scales: tuple[float, ...]  # b per layer
+    init_std: float
+    norm_eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def expert_width(self) -> int:
+        return self.routed_width // self.num_experts if self.routed_width else 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "head_dim": self.head_dim, "expert_width": self.expert_width}
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.attn = Attention(
+            spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.qk_norm, spec.norm_eps
+        )
+        self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.ffn = TRMoEFFN(
+            spec.hidden_size,
+            spec.shared_width,
+            spec.routed_width,
+            spec.num_experts,
+            spec.top_k,
+            spec.primary_weight,
+            spec.gates,
+            spec.shared_gate_init,
+            spec.routed_gate_init,
+            spec.shared_scales[layer],
+            spec.routed_scales[layer],
+            spec.vocab_size,
+            layer,
+            spec.strategy,
+            spec.route_seed,
+            spec.hash_count,
+        )
+
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        return h + self.ffn(self.ffn_norm(h), token_ids)
+
+
+class TRMoETransformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.embedding_rows, spec.hidden_size)
+        self.blocks = nn.ModuleList(Block(spec, layer) for layer in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        cos, sin = rope_cache(spec.max_seq_len, spec.head_dim, spec.rope_theta, self.embed.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, std) everywhere; projections that write into the residual stream (attention out, shared
+        down, expert down) get std / sqrt(2L) so the residual variance does not grow with depth; norms 1."""
+        std = self.spec.init_std
+        residual_std = std / math.sqrt(2 * self.spec.num_layers)
+        for name, p in self.named_parameters():
+            if p.ndim < 2:
+                continue  # norm weights (1) and gates (their init values) are set by their modules
+            is_residual_writer = name.endswith(("attn.out.weight", "shared.w_out", "routed.w_out"))
+            nn.init.normal_(p, 0.0, residual_std if is_residual_writer else std)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss)."""
+        seq = token_ids.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.embed(token_ids)
+        for block in self.blocks:
+            h = block(h, token_ids, cos, sin)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits over the real vocabulary (small inputs only: [.., vocab] floats)."""
+        return hidden @ self.embed.weight[: self.spec.vocab_size].T
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # trainable parameters, the tied embedding counted once
+    active: int  # per token: total minus the routed experts a token does not visit (E - K of E)
+    embedding: int
+    non_embedding: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_parameters(model: nn.Module) -> ParamCounts:
+    spec: ModelSpec = model.spec
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embedding = model.embed.weight.numel()
+    idle = 0
+    for block in model.blocks:
+        routed = block.ffn.routed
+        if routed is not None:
+            per_expert = (routed.w_in.numel() + routed.w_out.numel()) // spec.num_experts
+            idle += per_expert * (spec.num_experts - spec.top_k)
+    return ParamCounts(total=total, active=total - idle, embedding=embedding, non_embedding=total - embedding)
+
+
+def parameter_counts(spec: ModelSpec) -> ParamCounts:
+    """Count without allocating: the model is built on the meta device (no storage, no route tables)."""
+    with torch.device("meta"):
+        model = TRMoETransformer(spec)
+    return count_parameters(model)

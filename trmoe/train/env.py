@@ -1,0 +1,109 @@
+"""Device, precision, threads, seeding and the backend facts recorded with every run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trmoe.config.schema import Device, HardwareConfig, Precision
+from trmoe.errors import UserError
+
+
+def select_device(hw: HardwareConfig) -> torch.device:
+    is_rocm = torch.version.hip is not None
+    has_gpu = torch.cuda.is_available()
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    want = hw.device
+    if want == Device.auto:
+        return torch.device("cuda") if has_gpu else torch.device("mps") if has_mps else torch.device("cpu")
+    if want == Device.cpu:
+        return torch.device("cpu")
+    if want == Device.mps:
+        if not has_mps:
+            raise UserError("config error: hardware=mps: MPS is not available here; allowed: auto, cpu")
+        return torch.device("mps")
+    # cuda and rocm both use torch's "cuda" device type; the torch build decides which one it is
+    if not has_gpu or (want == Device.rocm) != is_rocm:
+        raise UserError(
+            f"config error: hardware={want.value}: no {want.value.upper()} device is available to this torch "
+            f"build ({torch.__version__}); allowed here: auto, cpu"
+        )
+    return torch.device("cuda")
+
+
+def autocast_dtype(hw: HardwareConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. Master weights always stay fp32."""
+    p = hw.precision
+    if p == Precision.fp32 or (p == Precision.auto and device.type != "cuda"):
+        return None
+    if p == Precision.auto:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        raise UserError(f"config error: hardware.precision={p.value}: CPU runs use fp32; allowed: auto, fp32")
+    return torch.bfloat16 if p == Precision.bf16 else torch.float16
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def configure(hw: HardwareConfig, device: torch.device) -> None:
+    if hw.threads is not None:
+        torch.set_num_threads(hw.threads)
+    if hw.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def git_commit() -> dict:
+    """Commit of the trmoe source tree (where it is a git checkout), and whether it had local changes."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "dirty": dirty}
+
+
+def backend_metadata(device: torch.device, dtype: torch.dtype | None) -> dict:
+    meta = {
+        "device": str(device),
+        "device_name": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "autocast_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
+    if device.type == "cuda":
+        meta["device_name"] = torch.cuda.get_device_name(device)
+        meta["device_count"] = torch.cuda.device_count()
+    return meta

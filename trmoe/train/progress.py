@@ -1,0 +1,39 @@
+"""Progress display: a live bar on an interactive terminal, plain log lines elsewhere (SLURM logs, CI)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from trmoe.config.schema import Progress
+
+log = logging.getLogger("trmoe")
+
+
+class ProgressReporter:
+    def __init__(self, mode: Progress, total_steps: int, start_step: int = 0):
+        use_bar = mode == Progress.bar or (mode == Progress.auto and sys.stdout.isatty())
+        self._bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def step(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def report(self, row: dict, total_steps: int, eta_s: float) -> None:
+        """Called at log steps with the metrics row (the bar shows its own ETA)."""
+        parts = [f"loss {row['train_loss']:.4f}", f"lr {row['lr']:.2e}", f"tok/s {row['tok_s']:.0f}"]
+        if row.get("eval_loss") is not None:
+            parts.insert(1, f"eval {row['eval_loss']:.4f}")
+        if self._bar is not None:
+            self._bar.set_postfix_str(" | ".join(parts), refresh=True)
+        else:
+            eta = f"{int(eta_s // 60)}m{int(eta_s % 60):02d}s"
+            log.info("step %d/%d | %s | eta %s", row["step"], total_steps, " | ".join(parts), eta)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
