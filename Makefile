@@ -27,8 +27,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check trmoe tests bench
-	$(VENV)/bin/ruff format --check trmoe tests bench
+	$(VENV)/bin/ruff check trmoe tests
+	$(VENV)/bin/ruff format --check trmoe tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -138,3 +138,12 @@ def test_cli_cfg_job_and_help(tmp_path: Path):
     for group in GROUPS:
         assert f"{group}:" in result.stdout
     assert list(tmp_path.rglob("*")) == []
+
+
+def test_configuration_reference_is_generated_from_the_schema():
+    from trmoe.tools.configdoc import render
+
+    doc = (CONF_DIR.parent / "docs" / "configuration.md").read_text()
+    assert doc == render(), "docs/configuration.md is stale: run python -m trmoe.tools.configdoc"
+    rows = [line for line in doc.splitlines() if line.startswith("| `")]
+    assert rows and all(not line.endswith("|  |") for line in rows), "every option needs a meaning"

@@ -77,8 +77,8 @@ class ModelConfig:
     name: str = MISSING  # profile name, recorded in run_config.json
     vocab_size: int = 200_019  # o200k_base n_vocab; the tied embedding has this many rows (before padding)
     vocab_pad_multiple: int = 1  # round the embedding rows up to a multiple of this (speed); 1 = no padding
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
+    hidden_size: int = MISSING  # model width H
+    num_layers: int = MISSING  # decoder blocks L
     num_heads: int = MISSING  # query heads; head_dim = hidden_size / num_heads
     num_kv_heads: int = MISSING  # key/value heads used by attention=gqa (mha and mqa override it)
     max_seq_len: int = 2048  # RoPE range: the longest sequence the model accepts
@@ -86,32 +86,28 @@ class ModelConfig:
     routed_width: int = MISSING  # total stored width of the routed experts; each expert has routed_width / E
     num_experts: int = 4  # E; E=1 with routing.top_k=1 is the dense SwiGLU control of width shared+routed
     gates: bool = True  # learnable scalar gates g_s, g_r on the shared and routed branches
-    shared_gate_init: float = 1.0
-    routed_gate_init: float = 1.0
+    shared_gate_init: float = 1.0  # initial value of g_s
+    routed_gate_init: float = 1.0  # initial value of g_r
     shared_scale: float = 1.0  # fixed output scale a of the shared branch (layer 0 when interpolated)
     routed_scale: float = 1.0  # fixed output scale b of the routed branch (layer 0 when interpolated)
-    shared_scale_last: float | None = (
-        None  # if set, a is interpolated linearly to this value at the last layer
-    )
-    routed_scale_last: float | None = (
-        None  # if set, b is interpolated linearly to this value at the last layer
-    )
+    shared_scale_last: float | None = None  # if set, a goes linearly to this value at the last layer
+    routed_scale_last: float | None = None  # if set, b goes linearly to this value at the last layer
     init_std: float = 0.02  # N(0, init_std); residual-writing projections use init_std / sqrt(2 * num_layers)
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm epsilon
 
 
 @dataclass
 class AttentionConfig:
-    kind: AttentionKind = AttentionKind.gqa
+    kind: AttentionKind = AttentionKind.gqa  # key/value heads: gqa = model.num_kv_heads, mha = all, mqa = 1
     qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE
-    rope_theta: float = 10_000.0
+    rope_theta: float = 10_000.0  # RoPE base over the full head dimension
 
 
 @dataclass
 class RoutingConfig:
     """How token ids pick their K routed experts (a fixed table per layer, no learned router)."""
 
-    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic
+    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction
     top_k: int = 2  # K distinct experts per token
     primary_weight: float = 0.5  # p: weight of route 0; routes 1..K-1 get (1-p)/(K-1); K=1 forces 1
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
@@ -122,55 +118,53 @@ class RoutingConfig:
 class OptimizerConfig:
     """AdamW with three parameter groups: routed experts, shared expert, everything else."""
 
-    name: str = "adamw"
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    name: str = "adamw"  # the optimizer
+    lr: float = 1e-3  # peak learning rate of the base group
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # matrices only; norms, gates and other 1-D tensors are never decayed
     expert_lr_scale: float = 1.0  # lr multiplier of the routed-expert group
     shared_lr_scale: float = 1.0  # lr multiplier of the shared-expert group
     expert_weight_decay: float | None = None  # None = weight_decay
     shared_weight_decay: float | None = None  # None = weight_decay
     decay_embedding: bool = False  # apply weight_decay to the tied embedding
-    schedule: LRSchedule = LRSchedule.cosine
-    warmup_steps: int = 100  # linear warmup from lr/warmup_steps to lr over these optimizer steps
+    schedule: LRSchedule = LRSchedule.cosine  # cosine: warmup then cosine to the floor; constant
+    warmup_steps: int | None = None  # linear warmup over these optimizer steps; None = 5% of trainer.steps
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
 
 
 @dataclass
 class DataConfig:
-    source: DataSource = DataSource.embedded
+    source: DataSource = DataSource.embedded  # embedded help texts, random ids, or a text file
     text_path: str | None = None  # data=text: UTF-8 file, resolved against the launch directory
     separator: str | None = None  # data=text: document separator; None = one or more blank lines
     eval_fraction: float = 0.1  # share of documents held out (a stable hash of each document decides)
     split_seed: int = 0  # salt of the document hash that assigns train/eval
-    order: SampleOrder = (
-        SampleOrder.shuffled
-    )  # order of training windows (shuffled: a seeded permutation per epoch)
+    order: SampleOrder = SampleOrder.shuffled  # shuffled: a seeded permutation of windows per epoch
 
 
 @dataclass
 class HardwareConfig:
-    device: Device = Device.auto
-    precision: Precision = Precision.auto
+    device: Device = Device.auto  # auto: cuda/rocm if available, else mps, else cpu
+    precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
 
 
 @dataclass
 class LossConfig:
-    backend: LossBackend = LossBackend.chunked
+    backend: LossBackend = LossBackend.chunked  # exact tied-head CE in token chunks
     chunk_tokens: int = 2048  # rows of logits computed at once; memory, not math
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # PyTorch semantics: (1-e) CE + e mean(-log p)
     z_loss: float = 0.0  # coefficient of mean(logsumexp^2), added to the objective (reported separately)
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 200  # optimizer steps
+    steps: int = 150  # optimizer steps
     micro_batch: int = 8  # sequences per rank per forward
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sequence (<= model.max_seq_len)
     grad_accum: int = 1  # micro-batches per optimizer step
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
     seed: int = 42  # model init and data order
@@ -182,10 +176,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = (
-        None  # run directory runs/<name>/ (outside --multirun); None = <model>-<attention>-<routing>-<time>
-    )
-    progress: Progress = Progress.auto
+    name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>
+    progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
 
 
 @dataclass

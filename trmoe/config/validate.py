@@ -110,7 +110,7 @@ def validate(cfg: Config) -> None:
     for name in ("expert_lr_scale", "shared_lr_scale"):
         if getattr(o, name) < 0:
             _fail(f"optimizer.{name}", getattr(o, name), "must be >= 0")
-    if o.warmup_steps < 0:
+    if o.warmup_steps is not None and o.warmup_steps < 0:
         _fail("optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         _fail("optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")

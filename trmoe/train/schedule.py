@@ -7,10 +7,15 @@ import math
 from trmoe.config.schema import LRSchedule, OptimizerConfig
 
 
+def warmup_steps(total_steps: int, cfg: OptimizerConfig) -> int:
+    """optimizer.warmup_steps, or 5% of the run (at least 1 step) when it is not set."""
+    return cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * total_steps))
+
+
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
-    """Linear warmup (step / warmup_steps, so step 1 already moves), then constant or cosine from 1 down
-    to min_lr_ratio at total_steps."""
-    warmup = cfg.warmup_steps
+    """Linear warmup (step / warmup, so step 1 already moves), then constant or cosine from 1 down to
+    min_lr_ratio at total_steps."""
+    warmup = warmup_steps(total_steps, cfg)
     if step <= warmup:
         return step / warmup
     if cfg.schedule == LRSchedule.constant:

@@ -1,0 +1,94 @@
+"""Render docs/configuration.md from the schema: every option with its type, default and meaning.
+
+    python -m trmoe.tools.configdoc > docs/configuration.md
+
+The comments on the dataclass fields in trmoe/config/schema.py are the text; a test keeps the page in
+step with the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import re
+import typing
+from pathlib import Path
+
+from trmoe.config import schema
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+SECTIONS = [
+    ("model", schema.ModelConfig, "Model profile: dimensions of the decoder and its TR-MoE FFN."),
+    ("attention", schema.AttentionConfig, "Attention type."),
+    ("routing", schema.RoutingConfig, "Route tables (see docs/routing.md)."),
+    ("optimizer", schema.OptimizerConfig, "Optimizer, its parameter groups and the LR schedule."),
+    ("data", schema.DataConfig, "Training and held-out data."),
+    ("hardware", schema.HardwareConfig, "Device and numerics."),
+    ("loss", schema.LossConfig, "Training objective."),
+    ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
+    ("run", schema.RunConfig, "Run naming and display (top level of conf/config.yaml)."),
+]
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
+        if match:
+            comments[match.group(1)] = match.group(2) or ""
+    return comments
+
+
+def _type_name(tp: object) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " \\| ".join(m.value for m in tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> str:
+    value = f.default
+    if value is dataclasses.MISSING or value == "???":
+        return "(set by the profile)"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return "null" if value is None else f"`{value}`"
+
+
+def _options(group: str) -> str:
+    folder = CONF_DIR / group
+    if not folder.is_dir():
+        return ""
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    return "Options: " + ", ".join(f"`{group}={n}`" for n in names) + ".\n\n"
+
+
+def render() -> str:
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `trmoe/config/schema.py` by `python -m trmoe.tools.configdoc`; do not edit by hand.",
+        "Every key can be overridden on the command line (`python -m trmoe.train trainer.steps=500`);",
+        "a group option is picked with `group=option` (`model=100m`). Cross-field rules are listed in",
+        "`trmoe/config/validate.py`; a violation stops the run with one line and exit code 2.",
+        "",
+    ]
+    for name, cls, title in SECTIONS:
+        hints = typing.get_type_hints(cls)
+        comments = _field_comments(cls)
+        out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]
+        out.append("|---|---|---|---|")
+        for f in dataclasses.fields(cls):
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            out.append(f"| `{name}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(), end="")
