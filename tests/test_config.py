@@ -39,6 +39,8 @@ def test_every_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("data", "text"):
         overrides.append("data.text_path=/some/corpus.txt")
+    if (group, option) in (("data", "tokens"), ("data", "fineweb")):
+        overrides.append("data.path=/some/dataset")
     cfg = to_config(compose_config(*overrides))
     spec = model_spec(cfg)
     assert spec.num_heads % spec.num_kv_heads == 0

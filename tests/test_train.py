@@ -122,13 +122,17 @@ def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
 
 
 def test_existing_run_directory_is_never_overwritten(tmp_path):
+    # (tests/test_resume.py covers resume, restart and run.overwrite in depth)
     cfg = compose_config(*FAST, "trainer.steps=1")
     train(cfg, tmp_path / "r")
     before = (tmp_path / "r" / "metrics.csv").read_bytes()
     from trmoe.errors import UserError
 
     with pytest.raises(UserError, match="already holds a run"):
-        train(cfg, tmp_path / "r")
+        train(compose_config(*FAST, "trainer.steps=1", "trainer.resume=never"), tmp_path / "r")
+    assert (tmp_path / "r" / "metrics.csv").read_bytes() == before
+    # trainer.resume=auto (the default): the run is complete, nothing is trained or written
+    train(cfg, tmp_path / "r")
     assert (tmp_path / "r" / "metrics.csv").read_bytes() == before
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from trmoe.config.match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
 from trmoe.config.validate import kv_heads, validate
 from trmoe.errors import UserError
@@ -12,7 +13,8 @@ from trmoe.model.transformer import ModelSpec
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Resolve interpolations, convert to the dataclass tree and run the cross-field checks."""
+    """Resolve interpolations, convert to the dataclass tree, run the cross-field checks and solve the
+    parameter match (model.match_params), writing the solved width back into cfg as well."""
     try:
         config = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
@@ -24,7 +26,16 @@ def to_config(cfg: DictConfig) -> Config:
         raise UserError(f"config error: {key}: {str(e).splitlines()[0]}") from None
     if not isinstance(config, Config):
         raise UserError("config error: the primary config does not extend base_config")
+    # Parameter matching (model.match_params): validate the other fields, solve the width, check the result
+    # by the same rules, and write it back into cfg too, so that the saved config and run_config.json show
+    # the width that is trained.
+    ignore_solved_width(config)
     validate(config)
+    match = apply_match(config)
+    if match is not None:
+        validate(config)
+        with read_write(cfg), open_dict(cfg):
+            cfg.model[match.field] = match.width
     return config
 
 

@@ -33,11 +33,24 @@ class DataSource(str, Enum):
     embedded = "embedded"  # the English help texts every CPython ships (pydoc_data), o200k-tokenized
     random = "random"  # uniform random token ids (smoke tests only: nothing to learn)
     text = "text"  # a local UTF-8 file, documents separated by blank lines or data.separator
+    tokens = "tokens"  # memory-mapped token shards (python -m trmoe.data.prepare), data.path
+    fineweb = "fineweb"  # documents streamed from local Parquet (data.path) or the HF hub, tokenized live
+
+
+class MatchField(str, Enum):
+    shared_width = "shared_width"  # solve the shared expert's width (the dense control's SwiGLU width)
+    routed_width = "routed_width"  # solve the total routed width (a multiple of num_experts too)
 
 
 class SampleOrder(str, Enum):
     sequential = "sequential"
     shuffled = "shuffled"
+
+
+class Strategy(str, Enum):
+    auto = "auto"  # ddp when the job has more than one rank, else a plain single-process model
+    ddp = "ddp"  # DistributedDataParallel: every rank holds the whole model
+    fsdp = "fsdp"  # FSDP2 fully_shard per block (+ the root), mixed precision; for the 1b/8b profiles
 
 
 class Device(str, Enum):
@@ -57,17 +70,60 @@ class Precision(str, Enum):
 
 class LossBackend(str, Enum):
     chunked = "chunked"  # exact tied-head cross-entropy in token chunks; logits never fully materialised
+    torch = "torch"  # torch.nn.functional.linear_cross_entropy, chunked path (no z-loss, no label smoothing)
+    liger = "liger"  # liger-kernel fused linear cross-entropy (CUDA only; the `cuda` extra)
+    auto = "auto"  # liger on CUDA when it is importable, chunked otherwise
+
+
+class OptimizerName(str, Enum):
+    adamw = "adamw"  # AdamW on every group
+    muon_tr = "muon_tr"  # Muon on the matrices of optimizer.muon_scope, AdamW on the rest
+    stosignsgd = "stosignsgd"  # stochastic-sign SGD with momentum on every group (docs/optimizers.md)
+
+
+class MuonScope(str, Enum):
+    experts = "experts"  # the routed expert matrices only
+    experts_shared = "experts_shared"  # routed experts and the shared expert
+    all = "all"  # every matrix except the tied embedding
+
+
+class DecayShape(str, Enum):
+    linear = "linear"  # 1 - x
+    cosine = "cosine"  # (1 + cos(pi x)) / 2
+    sqrt = "sqrt"  # 1 - sqrt(x)
+
+
+class RampShape(str, Enum):
+    linear = "linear"  # x
+    cosine = "cosine"  # (1 - cos(pi x)) / 2
+
+
+class DiversityTarget(str, Enum):
+    w_out = "w_out"  # the experts' down projections w_out [I, H]
+    all = "all"  # w_out and the gate and up halves of w_in, each its own matrix
 
 
 class LRSchedule(str, Enum):
     cosine = "cosine"  # linear warmup, then cosine from lr to lr * min_lr_ratio
     constant = "constant"  # linear warmup, then constant lr
+    wsd = "wsd"  # warmup-stable-decay: warmup, constant, then decay to lr * min_lr_ratio over the last part
 
 
 class Progress(str, Enum):
     auto = "auto"  # a live bar on an interactive terminal, plain log lines otherwise
     bar = "bar"
     log = "log"
+
+
+class CheckpointFormat(str, Enum):
+    auto = "auto"  # dcp when running distributed (world size > 1), torch otherwise
+    torch = "torch"  # one torch.save file for model and optimizer (single process)
+    dcp = "dcp"  # torch.distributed.checkpoint: every rank writes its own part
+
+
+class SpikePolicy(str, Enum):
+    log = "log"  # log the spike and count it in metrics.csv; the step is applied
+    rollback = "rollback"  # reload the last good checkpoint, recompute the steps since, skip the spike batch
 
 
 @dataclass
@@ -88,12 +144,19 @@ class ModelConfig:
     gates: bool = True  # learnable scalar gates g_s, g_r on the shared and routed branches
     shared_gate_init: float = 1.0  # initial value of g_s
     routed_gate_init: float = 1.0  # initial value of g_r
+    shared_gate_final: float | None = None  # if set, g_s is not learned: ramps shared_gate_init -> this
+    routed_gate_final: float | None = None  # if set, g_r is not learned: ramps routed_gate_init -> this
+    gate_ramp: float = 0.5  # scheduled gates: share of the schedule horizon the ramp takes, then final
+    gate_ramp_shape: RampShape = RampShape.cosine  # scheduled gates: linear | cosine ramp
     shared_scale: float = 1.0  # fixed output scale a of the shared branch (layer 0 when interpolated)
     routed_scale: float = 1.0  # fixed output scale b of the routed branch (layer 0 when interpolated)
     shared_scale_last: float | None = None  # if set, a goes linearly to this value at the last layer
     routed_scale_last: float | None = None  # if set, b goes linearly to this value at the last layer
     init_std: float = 0.02  # N(0, init_std); residual-writing projections use init_std / sqrt(2 * num_layers)
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
+    match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
+    match_multiple: int = 16  # the solved width is a multiple of this (routed_width: and of num_experts)
 
 
 @dataclass
@@ -110,15 +173,19 @@ class RoutingConfig:
     strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction
     top_k: int = 2  # K distinct experts per token
     primary_weight: float = 0.5  # p: weight of route 0; routes 1..K-1 get (1-p)/(K-1); K=1 forces 1
+    primary_weight_final: float | None = None  # if set, p ramps primary_weight -> this; None = constant
+    primary_weight_ramp: float = 0.5  # p schedule: share of the schedule horizon the ramp takes, then final
+    primary_weight_ramp_shape: RampShape = RampShape.cosine  # p schedule: linear | cosine ramp
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with three parameter groups: routed experts, shared expert, everything else."""
+    """Optimizer (adamw, muon_tr, stosignsgd) over three parameter groups: routed experts, shared expert,
+    everything else; and the LR schedule. Update rules: docs/optimizers.md."""
 
-    name: str = "adamw"  # the optimizer
+    name: OptimizerName = OptimizerName.adamw  # adamw | muon_tr | stosignsgd
     lr: float = 1e-3  # peak learning rate of the base group
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
@@ -129,19 +196,40 @@ class OptimizerConfig:
     expert_weight_decay: float | None = None  # None = weight_decay
     shared_weight_decay: float | None = None  # None = weight_decay
     decay_embedding: bool = False  # apply weight_decay to the tied embedding
-    schedule: LRSchedule = LRSchedule.cosine  # cosine: warmup then cosine to the floor; constant
-    warmup_steps: int | None = None  # linear warmup over these optimizer steps; None = 5% of trainer.steps
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    schedule: LRSchedule = LRSchedule.cosine  # cosine: warmup then cosine to the floor; constant; wsd
+    warmup_steps: int | None = None  # linear warmup over these optimizer steps; None = 5% of the horizon
+    min_lr_ratio: float = 0.1  # floor of cosine and wsd as a fraction of lr
+    decay_steps: int | None = None  # schedule horizon (cosine/wsd reach the floor, ramps scale); None = steps
+    wsd_decay_fraction: float = 0.2  # wsd: share of the horizon spent decaying (its last steps)
+    wsd_decay_shape: DecayShape = DecayShape.linear  # wsd: linear | cosine | sqrt decay to the floor
+    muon_scope: MuonScope = MuonScope.experts  # muon_tr: matrices on Muon: experts | experts_shared | all
+    muon_lr_scale: float = 1.0  # muon_tr: lr multiplier of the Muon groups (times expert/shared lr scales)
+    muon_momentum: float = 0.95  # muon_tr: momentum beta of the Muon buffer
+    muon_nesterov: bool = True  # muon_tr: orthogonalise the Nesterov look-ahead instead of the buffer
+    muon_ns_steps: int = 5  # muon_tr: Newton-Schulz iterations per orthogonalisation
+    muon_update_rms: float = 0.2  # muon_tr: RMS each orthogonalised update is scaled to (~AdamW's)
+    muon_split_gate_up: bool = True  # muon_tr: orthogonalise the gate and up halves of fused w_in separately
+    stosign_max_decay: float = 1.0  # stosignsgd: d in G <- max(d * G, |m|); 1 = a running maximum
 
 
 @dataclass
 class DataConfig:
-    source: DataSource = DataSource.embedded  # embedded help texts, random ids, or a text file
+    source: DataSource = DataSource.embedded  # embedded help texts, random ids, a text file, shards, Parquet
     text_path: str | None = None  # data=text: UTF-8 file, resolved against the launch directory
     separator: str | None = None  # data=text: document separator; None = one or more blank lines
     eval_fraction: float = 0.1  # share of documents held out (a stable hash of each document decides)
     split_seed: int = 0  # salt of the document hash that assigns train/eval
     order: SampleOrder = SampleOrder.shuffled  # shuffled: a seeded permutation of windows per epoch
+    path: str | None = None  # tokens: dataset dir (train/, eval/) or one shard; fineweb: Parquet file/dir
+    eval_path: str | None = None  # tokens: held-out shard dir; None = eval/ of data.path, or its tail docs
+    verify: bool = False  # tokens: re-hash each tokens.bin (sha256) and rescan its ids at start-up
+    text_field: str = "text"  # fineweb: the Parquet column (or hub field) holding each document's text
+    hf_dataset: str | None = None  # fineweb without data.path: HF hub dataset name (needs the `hf` extra)
+    hf_subset: str | None = None  # fineweb: hub dataset config/subset, e.g. sample-10BT
+    hf_revision: str | None = None  # fineweb: hub revision (commit) to pin the data
+    hf_split: str = "train"  # fineweb: hub split to stream
+    workers: int = 2  # fineweb: tokenizer processes feeding the background reader; 0 = in the reader thread
+    pin_memory: bool = True  # CUDA/ROCm: batches come from pinned host memory (asynchronous copies)
 
 
 @dataclass
@@ -150,14 +238,19 @@ class HardwareConfig:
     precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
+    strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
 
 
 @dataclass
 class LossConfig:
-    backend: LossBackend = LossBackend.chunked  # exact tied-head CE in token chunks
-    chunk_tokens: int = 2048  # rows of logits computed at once; memory, not math
+    backend: LossBackend = LossBackend.chunked  # chunked (exact) | torch | liger (CUDA) | auto; eval: chunked
+    chunk_tokens: int = 2048  # rows of logits computed at once (chunked, torch backends); memory, not math
     label_smoothing: float = 0.0  # PyTorch semantics: (1-e) CE + e mean(-log p)
     z_loss: float = 0.0  # coefficient of mean(logsumexp^2), added to the objective (reported separately)
+    diversity_weight: float = 0.0  # lambda: expert-diversity penalty (mean squared expert cosine); 0 = off
+    diversity_ramp: float = 0.0  # share of the schedule horizon over which lambda ramps up from 0; 0 = none
+    diversity_ramp_shape: RampShape = RampShape.cosine  # lambda ramp: linear | cosine
+    diversity_target: DiversityTarget = DiversityTarget.w_out  # compared: w_out | all (+ w_in halves)
 
 
 @dataclass
@@ -171,13 +264,45 @@ class TrainerConfig:
     log_every: int = 10  # metrics row cadence (plus step 1 and every eval step)
     eval_every: int = 50  # held-out evaluation cadence in steps (and at the last step); 0 = only at the end
     eval_batches: int = 4  # fixed held-out batches scored at every evaluation
-    checkpoint_every: int = 0  # 0 = only the final checkpoint
+    resume: str = "auto"  # auto: newest complete checkpoint of the run dir; never; or a checkpoint path
+    force_resume: bool = False  # resume despite training-critical differences (noted in run_config.json)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
+    shared_chunk_tokens: int = 0  # shared expert this many tokens at a time, recomputed in backward; 0 = off
+    compile: bool = False  # torch.compile the model for training (evaluation stays eager)
+    compile_backend: str = "inductor"  # torch.compile backend (inductor; aot_eager for quick checks)
 
 
 @dataclass
 class RunConfig:
     name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
+    overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints in <run dir>/checkpoints (docs/reliability.md): atomic, verified, resumable."""
+
+    every_steps: int = 500  # save every this many steps (also at the end, on SIGUSR2/SIGTERM); 0 = end only
+    keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
+    format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
+
+
+@dataclass
+class GuardConfig:
+    """Fault guards: non-finite steps are skipped, loss spikes are logged or rolled back."""
+
+    skip_nonfinite: bool = True  # skip a step whose loss or gradient is NaN/inf (one host sync per step)
+    max_skips: int = 5  # stop (with a final good checkpoint) after this many consecutive skipped steps
+    spike_factor: float = 2.0  # a spike: step loss > factor x median of the last spike_window steps; 0 = off
+    spike_window: int = 50  # steps in the running median; detection starts once it is full
+    spike_policy: SpikePolicy = SpikePolicy.log  # log; rollback: reload the last checkpoint, skip the batch
+    max_rollbacks: int = 3  # stop after this many rollbacks in one run
+
+
+@dataclass
+class TelemetryConfig:
+    moe: bool = False  # expert telemetry: shares, imbalance, dead experts, RMS, grad norms (telemetry.csv)
 
 
 @dataclass
@@ -191,6 +316,9 @@ class Config:
     loss: LossConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 GROUPS: dict[str, Any] = {

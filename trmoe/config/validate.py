@@ -4,7 +4,16 @@ its value and what is allowed."""
 
 from __future__ import annotations
 
-from trmoe.config.schema import AttentionKind, Config, DataSource
+from trmoe.config.schema import (
+    AttentionKind,
+    Config,
+    DataSource,
+    LossBackend,
+    MuonScope,
+    OptimizerName,
+    SampleOrder,
+    SpikePolicy,
+)
 from trmoe.errors import UserError
 
 
@@ -79,6 +88,9 @@ def validate(cfg: Config) -> None:
         _fail("model.init_std", m.init_std, "must be > 0")
     if m.norm_eps <= 0:
         _fail("model.norm_eps", m.norm_eps, "must be > 0")
+    if m.match_params is not None and m.match_params < 1:
+        _fail("model.match_params", m.match_params, "must be a positive integer, or null for no matching")
+    _positive(m, "model", "match_multiple")
 
     if not 1 <= r.top_k <= m.num_experts:
         _fail("routing.top_k", r.top_k, f"must be between 1 and model.num_experts={m.num_experts}")
@@ -90,9 +102,8 @@ def validate(cfg: Config) -> None:
     _positive(t, "trainer", "steps", "micro_batch", "seq_len", "grad_accum", "log_every", "eval_batches")
     if t.seq_len > m.max_seq_len:
         _fail("trainer.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len} (the RoPE range)")
-    for name in ("eval_every", "checkpoint_every"):
-        if getattr(t, name) < 0:
-            _fail(f"trainer.{name}", getattr(t, name), "must be >= 0 (0 = only at the end)")
+    if t.eval_every < 0:
+        _fail("trainer.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
     if t.grad_clip < 0:
         _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
 
@@ -123,6 +134,7 @@ def validate(cfg: Config) -> None:
         )
     if d.separator == "":
         _fail("data.separator", "''", "must be a non-empty string, or null for blank lines")
+    _validate_streamed_data(d)
 
     if loss.chunk_tokens < 1:
         _fail("loss.chunk_tokens", loss.chunk_tokens, "must be a positive integer")
@@ -130,6 +142,127 @@ def validate(cfg: Config) -> None:
         _fail("loss.label_smoothing", loss.label_smoothing, "must be in [0, 1)")
     if loss.z_loss < 0:
         _fail("loss.z_loss", loss.z_loss, "must be >= 0")
+    _validate_training_controls(cfg)
 
     if hw.threads is not None and hw.threads < 1:
         _fail("hardware.threads", hw.threads, "must be a positive integer or null")
+    _validate_reliability(cfg)
+
+
+def _validate_streamed_data(d) -> None:
+    """data=tokens and data=fineweb: where the data comes from, and options that only make sense there."""
+    if d.source == DataSource.tokens and not d.path:
+        _fail("data.path", d.path, "data=tokens needs a shard directory: data.path=/path/to/dataset")
+    if d.source == DataSource.fineweb:
+        if not d.path and not d.hf_dataset:
+            _fail(
+                "data.path",
+                d.path,
+                "data=fineweb needs data.path=<Parquet file, dir or glob> or data.hf_dataset=<hub name>",
+            )
+        if d.path and d.hf_dataset:
+            _fail("data.hf_dataset", d.hf_dataset, "set data.path (Parquet) or data.hf_dataset, not both")
+        if d.order != SampleOrder.sequential:
+            _fail("data.order", d.order.value, "data=fineweb streams documents in source order: sequential")
+    if d.eval_path and d.source != DataSource.tokens:
+        _fail("data.eval_path", d.eval_path, "only used by data=tokens")
+    if not d.text_field:
+        _fail("data.text_field", "''", "must name the column that holds the text")
+    if d.workers < 0:
+        _fail("data.workers", d.workers, "must be >= 0 (0 = tokenize in the background reader thread)")
+
+
+def _validate_reliability(cfg: Config) -> None:
+    """trainer.resume, checkpoint.* and guard.* (docs/reliability.md)."""
+    t, c, g = cfg.trainer, cfg.checkpoint, cfg.guard
+    if not t.resume.strip():
+        _fail("trainer.resume", "''", "allowed: auto, never, or the path of a checkpoint or run directory")
+    if c.every_steps < 0:
+        _fail("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 = only at the end)")
+    if c.keep_last < 0:
+        _fail("checkpoint.keep_last", c.keep_last, "must be >= 0 (0 = keep every checkpoint)")
+    _positive(g, "guard", "max_skips")
+    if g.spike_factor != 0 and g.spike_factor <= 1:
+        _fail("guard.spike_factor", g.spike_factor, "must be > 1 (times the running median), or 0 = off")
+    if g.spike_window < 3:
+        _fail("guard.spike_window", g.spike_window, "must be >= 3 steps")
+    if g.max_rollbacks < 0:
+        _fail("guard.max_rollbacks", g.max_rollbacks, "must be >= 0")
+    if g.spike_policy == SpikePolicy.rollback:
+        if g.spike_factor == 0:
+            _fail("guard.spike_policy", "rollback", "needs spike detection: guard.spike_factor > 1")
+        if c.every_steps == 0:
+            _fail(
+                "guard.spike_policy",
+                "rollback",
+                "reloads the last periodic checkpoint: set checkpoint.every_steps > 0",
+            )
+
+
+def _fraction(value: float, key: str) -> None:
+    if not 0.0 <= value <= 1.0:
+        _fail(key, value, "must be in [0, 1] (a share of the schedule horizon)")
+
+
+def _validate_training_controls(cfg: Config) -> None:
+    """Loss backends, optimizers, schedules and step controls (docs/training.md, docs/optimizers.md): a
+    control that cannot take effect in this configuration is an error, never silently dropped."""
+    m, r, o, loss, t = cfg.model, cfg.routing, cfg.optimizer, cfg.loss, cfg.trainer
+    if loss.backend == LossBackend.torch:
+        for name in ("label_smoothing", "z_loss"):
+            if getattr(loss, name) != 0:
+                _fail(
+                    f"loss.{name}",
+                    getattr(loss, name),
+                    "loss.backend=torch (linear_cross_entropy's chunked path) has neither z-loss nor label "
+                    "smoothing; allowed: 0, or loss.backend=chunked / liger",
+                )
+    if loss.diversity_weight < 0:
+        _fail("loss.diversity_weight", loss.diversity_weight, "must be >= 0 (0 = off)")
+    if loss.diversity_weight > 0 and (m.routed_width == 0 or m.num_experts < 2):
+        _fail("loss.diversity_weight", loss.diversity_weight, "needs at least 2 routed experts; allowed: 0")
+    _fraction(loss.diversity_ramp, "loss.diversity_ramp")
+
+    if o.decay_steps is not None and o.decay_steps < 1:
+        _fail("optimizer.decay_steps", o.decay_steps, "must be a positive integer, or null for trainer.steps")
+    _fraction(o.wsd_decay_fraction, "optimizer.wsd_decay_fraction")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        _fail("optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1)")
+    _positive(o, "optimizer", "muon_ns_steps")
+    if o.muon_update_rms <= 0:
+        _fail("optimizer.muon_update_rms", o.muon_update_rms, "must be > 0")
+    if o.muon_lr_scale < 0:
+        _fail("optimizer.muon_lr_scale", o.muon_lr_scale, "must be >= 0")
+    if not 0.0 < o.stosign_max_decay <= 1.0:
+        _fail("optimizer.stosign_max_decay", o.stosign_max_decay, "must be in (0, 1]")
+    if o.name == OptimizerName.muon_tr and o.muon_scope == MuonScope.experts and m.routed_width == 0:
+        _fail(
+            "optimizer.muon_scope", "experts", "the model has no routed experts; allowed: experts_shared, all"
+        )
+
+    if r.primary_weight_final is not None:
+        if r.top_k == 1:
+            _fail(
+                "routing.primary_weight_final", r.primary_weight_final, "p has no effect with routing.top_k=1"
+            )
+        if not 0.0 <= r.primary_weight_final <= 1.0:
+            _fail("routing.primary_weight_final", r.primary_weight_final, "must be in [0, 1]")
+    _fraction(r.primary_weight_ramp, "routing.primary_weight_ramp")
+    for branch, width in (("shared", m.shared_width), ("routed", m.routed_width)):
+        value = getattr(m, f"{branch}_gate_final")
+        if value is not None and (not m.gates or width == 0):
+            _fail(
+                f"model.{branch}_gate_final",
+                value,
+                f"there is no {branch} gate (model.gates=false or model.{branch}_width=0); allowed: null",
+            )
+    _fraction(m.gate_ramp, "model.gate_ramp")
+
+    if t.shared_chunk_tokens < 0:
+        _fail("trainer.shared_chunk_tokens", t.shared_chunk_tokens, "must be >= 0 (0 = off)")
+    if t.shared_chunk_tokens > 0 and m.shared_width == 0:
+        _fail(
+            "trainer.shared_chunk_tokens", t.shared_chunk_tokens, "the model has no shared expert; allowed: 0"
+        )
+    if t.compile and not t.compile_backend:
+        _fail("trainer.compile_backend", "''", "must name a torch.compile backend, e.g. inductor")

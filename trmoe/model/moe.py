@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.routing import build_route_table
 
@@ -39,9 +40,19 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.w_in = nn.Parameter(torch.empty(hidden_size, 2 * width))  # [gate | up]
         self.w_out = nn.Parameter(torch.empty(width, hidden_size))
+        # Memory, not math (trainer.shared_chunk_tokens): run this many tokens at a time, each chunk
+        # recomputed in the backward, so its [n, 3W] intermediates never exist for all tokens at once.
+        self.chunk_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w_in, self.w_out)
+        n = self.chunk_tokens
+        if n <= 0 or x.shape[0] <= n:
+            return swiglu(x, self.w_in, self.w_out)
+        if not torch.is_grad_enabled():
+            return torch.cat([swiglu(c, self.w_in, self.w_out) for c in x.split(n)])
+        return torch.cat(
+            [checkpoint(swiglu, c, self.w_in, self.w_out, use_reentrant=False) for c in x.split(n)]
+        )
 
 
 class RoutedExperts(nn.Module):
@@ -62,7 +73,10 @@ class RoutedExperts(nn.Module):
     ):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.primary_weight = primary_weight  # a plain float so a schedule can change it between steps
+        # The K route weights live in a small buffer (not saved: p is config or a pure function of the
+        # step), so a p schedule changes no graph and costs no host-to-device copy per forward.
+        self.register_buffer("route_w", torch.tensor(route_weights(top_k, primary_weight)), persistent=False)
+        self._primary_weight = float(primary_weight)
         width = routed_width // num_experts
         self.w_in = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * width))
         self.w_out = nn.Parameter(torch.empty(num_experts, width, hidden_size))
@@ -73,11 +87,29 @@ class RoutedExperts(nn.Module):
             table = build_route_table(strategy, vocab_size, num_experts, top_k, layer, seed, hash_count)
         self.register_buffer("route_table", table)
 
+    @property
+    def primary_weight(self) -> float:
+        """p, a plain float; setting it (a schedule, between steps) updates the route weights."""
+        return self._primary_weight
+
+    @primary_weight.setter
+    def primary_weight(self, value: float) -> None:
+        self._primary_weight = float(value)
+        exact = torch.tensor(route_weights(self.top_k, value), dtype=torch.float64)
+        with torch.no_grad():
+            self.route_w.copy_(exact)  # rounded once, to the buffer's dtype
+
+    def _apply(self, fn, recurse=True):
+        # .double() / .to(dtype) would otherwise widen the rounded fp32 weights: rebuild them exactly
+        super()._apply(fn, recurse)
+        self.primary_weight = self._primary_weight
+        return self
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], token_ids [N] -> [N, H]."""
         if self.num_experts == 1:  # dense control: every token to the single expert, weight 1
             return swiglu(x, self.w_in[0], self.w_out[0])
-        n, k = x.shape[0], self.top_k
+        n = x.shape[0]
         experts = self.route_table[:, token_ids].long().reshape(-1)  # [K*N], index = route * N + token
         order = torch.argsort(experts, stable=True)  # group (token, route) pairs by expert
         counts = torch.bincount(experts, minlength=self.num_experts).tolist()
@@ -87,8 +119,7 @@ class RoutedExperts(nn.Module):
             swiglu(rows, self.w_in[e], self.w_out[e]) for e, rows in enumerate(xs.split(counts)) if counts[e]
         ]
         out = torch.cat(outs)
-        weights = out.new_tensor(route_weights(k, self.primary_weight))
-        out = out * weights[route_of].unsqueeze(1)
+        out = out * self.route_w.to(out.dtype)[route_of].unsqueeze(1)
         return out.new_zeros(n, out.shape[1]).index_add_(0, token_of, out)
 
 

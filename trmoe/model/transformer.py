@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.attention import Attention, RMSNorm, rope_cache
 from trmoe.model.moe import TRMoEFFN
@@ -102,6 +103,9 @@ class TRMoETransformer(nn.Module):
         cos, sin = rope_cache(spec.max_seq_len, spec.head_dim, spec.rope_theta, self.embed.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Memory, not math (trainer.activation_checkpointing): keep only each block's input and recompute
+        # the block in the backward.
+        self.activation_checkpointing = False
         self.reset_parameters()
 
     @torch.no_grad()
@@ -121,8 +125,12 @@ class TRMoETransformer(nn.Module):
         seq = token_ids.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.embed(token_ids)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            h = block(h, token_ids, cos, sin)
+            if recompute:
+                h = checkpoint(block, h, token_ids, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, token_ids, cos, sin)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,15 @@ SECTIONS = [
     ("model", schema.ModelConfig, "Model profile: dimensions of the decoder and its TR-MoE FFN."),
     ("attention", schema.AttentionConfig, "Attention type."),
     ("routing", schema.RoutingConfig, "Route tables (see docs/routing.md)."),
-    ("optimizer", schema.OptimizerConfig, "Optimizer, its parameter groups and the LR schedule."),
+    ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
     ("data", schema.DataConfig, "Training and held-out data."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),
     ("loss", schema.LossConfig, "Training objective."),
     ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
     ("run", schema.RunConfig, "Run naming and display (top level of conf/config.yaml)."),
+    ("telemetry", schema.TelemetryConfig, "Expert telemetry (see docs/training.md; top level)."),
+    ("checkpoint", schema.CheckpointConfig, "Checkpoint cadence and retention (see docs/reliability.md)."),
+    ("guard", schema.GuardConfig, "Fault guards: non-finite steps, loss spikes (see docs/reliability.md)."),
 ]
 
 

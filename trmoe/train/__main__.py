@@ -2,21 +2,30 @@
 
 Hydra composes the config from the groups in conf/; trmoe validates it and owns every file of the run
 directory, so a bad config or input exits with one line and code 2, leaving nothing on disk.
+
+In a sweep (--multirun, or an experiment=<grid>) a failed job does not stop the others: it leaves
+<job dir>/status.json with its error line (the sweep report lists it as failed) and the process exits 1
+after the last job.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra composes)
-from trmoe.errors import UserError
+from trmoe.errors import RunFailed, UserError
+from trmoe.train import status
+from trmoe.train.signals import Preempted, hand_over
 
 _task_started = False
+_failed_jobs: list[str] = []  # sweep jobs of this process that failed (multirun)
 
 
 def _remove_empty_dirs(path: Path) -> None:
@@ -38,13 +47,50 @@ def _app(cfg: DictConfig) -> float:
     _task_started = True
     from trmoe.train.loop import train
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweeping = hc.mode == RunMode.MULTIRUN
     try:
         return train(cfg, run_dir)
+    except Preempted as e:  # SIGUSR2/SIGTERM: checkpoint saved; requeue (submitit) or exit 128 + signal
+        print(f"trmoe: {e}", file=sys.stderr)
+        hand_over(e)
     except UserError as e:
+        if sweeping:
+            return _sweep_job_failed(run_dir, e)
         _remove_empty_dirs(run_dir)
         print(f"trmoe: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except RunFailed as e:  # fault guards or the final checkpoint: one line, exit 3
+        if sweeping:
+            return _sweep_job_failed(run_dir, e)
+        print(f"trmoe: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except Exception as e:
+        if sweeping:
+            traceback.print_exc()
+            return _sweep_job_failed(run_dir, e)
+        raise
+    finally:
+        # the process group of a torchrun/submitit job ends with the job (a basic-launcher sweep reuses
+        # this process for the next one)
+        from trmoe.train import distributed
+
+        distributed.shutdown()
+
+
+def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
+    """A failed sweep job must not stop the others, and Hydra's basic sweeper skips on_multirun_end (the
+    report) once any job has raised. So the failure goes on disk (status.json, which the report lists with
+    its error line), the job returns NaN, and main() exits 1 after the sweep."""
+    hc = HydraConfig.get()
+    line = status.error_line(exc)
+    if status.read_status(run_dir) is None:  # failed before the loop created the run's records (bad config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        status.write_status(run_dir, status.FAILED, error=line, overrides=list(hc.overrides.task))
+    print(f"trmoe: sweep job {hc.job.num} failed: {line}", file=sys.stderr)
+    _failed_jobs.append(f"{run_dir}: {line}")
+    return float("nan")
 
 
 def main() -> None:
@@ -56,6 +102,9 @@ def main() -> None:
         if e.code == 1 and not _task_started:
             sys.exit(2)
         raise
+    if _failed_jobs:
+        print(f"trmoe: {len(_failed_jobs)} sweep job(s) failed:", *_failed_jobs, sep="\n  ", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,452 @@
-"""Checkpoints: checkpoints/step_XXXXXXXX.pt, written to a temporary name, fsynced, then renamed; a
-`latest` pointer is updated last."""
+"""Checkpoints that are complete or absent, never half-written.
+
+    <run dir>/checkpoints/
+      step_00000040/          one complete checkpoint
+        meta.json             step, tokens, config and its hash, metrics position, size + CRC32 of every file
+        model_optim.pt        model and optimizer state (format "torch": one torch.save file)
+          or .metadata, __<rank>_<i>.distcp ...  (format "dcp": torch.distributed.checkpoint, per rank)
+        rank_00000.pt         rank-local train state: RNG states, data cursor, metrics window, guard state
+      latest                  name of the newest complete checkpoint (replaced atomically, after it)
+      .step_00000048.tmp/     a save in progress (or killed): never read, removed by the next save
+
+A save writes everything into the temporary directory, fsyncs each file, writes meta.json last, fsyncs the
+directory, renames it to step_XXXXXXXX and fsyncs the parent: a kill at any instant leaves either the old set
+of checkpoints or the old set plus the new one. Only then is `latest` replaced (temporary file, fsync,
+rename) and are checkpoints beyond `keep_last` pruned, oldest first; the newest is never pruned. A load
+checks every file against meta.json (size and CRC32) first, so a truncated or corrupted checkpoint is
+reported and the previous complete one is used instead (`newest_good`).
+
+Distributed (world size > 1, or checkpoint.format=dcp): every rank calls `save` and `load`; model and
+optimizer go through torch.distributed.checkpoint (each rank writes its own part), each rank writes its own
+rank_XXXXX.pt, and rank 0 alone writes meta.json, renames, updates `latest` and prunes.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import re
+import shutil
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("trmoe")
+
+FORMAT_VERSION = 1
+META = "meta.json"
+LATEST = "latest"
+TORCH_PAYLOAD = "model_optim.pt"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict[str, Any]
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
-    directory = checkpoint_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+# ------------------------------------------------------------------------------------------- durable files
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (POSIX: the directory entry lives in the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _ChecksumWriter:
+    """A binary file wrapper that counts and CRC32s what goes through it (so the checksum in meta.json is
+    of the bytes that were written, not of a later re-read)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.bytes = 0
+        self.crc32 = 0
+
+    def write(self, data) -> int:
+        written = self._f.write(data)
+        self.crc32 = zlib.crc32(memoryview(data)[:written], self.crc32)
+        self.bytes += written
+        return written
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_durable(path: Path, obj: Any) -> dict[str, int]:
+    """torch.save(obj) to path, fsynced; returns its size and CRC32."""
+    with open(path, "wb") as f:
+        writer = _ChecksumWriter(f)
+        torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    pointer = directory / "latest.tmp"
-    pointer.write_text(path.name + "\n")
-    os.replace(pointer, directory / "latest")
-    return path
+    return {"bytes": writer.bytes, "crc32": writer.crc32}
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    if path.is_dir():
-        path = path / (path / "latest").read_text().strip()
-    return torch.load(path, map_location=map_location, weights_only=False)
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError (ENOSPC, EIO, ...) behind an exception: torch.save's zip writer turns a failed write into
+    a RuntimeError while it unwinds, DCP into a CheckpointException."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        failures = getattr(exc, "failures", None)  # DCP: {rank: exception}
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                if isinstance(failure, BaseException) and (found := _os_error(failure)) is not None:
+                    return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_text_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_crc32(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def write_pointer(directory: Path, name: str) -> None:
+    """Atomically replace `latest` with `name`."""
+    tmp = directory / f".{LATEST}.tmp"
+    _write_text_durable(tmp, name + "\n")
+    os.replace(tmp, directory / LATEST)
+    fsync_dir(directory)
+
+
+def read_pointer(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- store
+
+
+def _dist_active() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """DCP's state-dict helpers take torch optimizers; trmoe's OptimizerSet (muon_tr) holds several."""
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner.values()) if isinstance(inner, dict) else [optimizer]
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save/load without a process group ("assuming ... a single process"): expected."""
+    with warnings.catch_warnings():
+        if not _dist_active():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _barrier() -> None:
+    if _dist_active():
+        torch.distributed.barrier()
+
+
+class CheckpointStore:
+    """Save, list, verify, load and prune the checkpoints of one run directory.
+
+    `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
+    when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
+    the rename, `latest` and the pruning."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep_last: int = 2,
+        format: str = "torch",
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if format not in ("torch", "dcp"):
+            raise ValueError(f"checkpoint format must be torch or dcp, got {format!r}")
+        if world_size > 1 and format != "dcp":
+            raise ValueError("a distributed run (world_size > 1) checkpoints with format dcp")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.format = format
+        self.rank = rank
+        self.world_size = world_size
+
+    # -------------------------------------------------------------------------------------------- listing
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """(step, path) of every directory named like a complete checkpoint, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def verify(self, path: Path) -> CheckpointInfo:
+        """Read meta.json and check every file it lists (size, CRC32). Raises CheckpointError."""
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: no readable {META} ({e})") from None
+        if meta.get("format_version") != FORMAT_VERSION or not isinstance(meta.get("files"), dict):
+            raise CheckpointError(f"{path}: {META} is not a trmoe checkpoint of version {FORMAT_VERSION}")
+        for name, expected in sorted(meta["files"].items()):
+            file = path / name
+            try:
+                actual = file_crc32(file)
+            except OSError as e:
+                raise CheckpointError(f"{file}: unreadable ({e.strerror or e})") from None
+            if actual["bytes"] != expected["bytes"]:
+                raise CheckpointError(
+                    f"{file}: {actual['bytes']} bytes, {META} says {expected['bytes']} (truncated?)"
+                )
+            if actual["crc32"] != expected["crc32"]:
+                raise CheckpointError(f"{file}: CRC32 mismatch (corrupted)")
+        return CheckpointInfo(path=path, step=int(meta["step"]), meta=meta)
+
+    def newest_good(self, *, at_most: int | None = None) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies; each unusable newer one is reported (warning) and skipped."""
+        for step, path in reversed(self.step_dirs()):
+            if at_most is not None and step > at_most:
+                continue
+            try:
+                return self.verify(path)
+            except CheckpointError as e:
+                log.warning("checkpoint %s is unusable: %s; trying the previous one", path.name, e)
+        return None
+
+    # ---------------------------------------------------------------------------------------------- save
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        local_state: dict[str, Any],
+        meta: dict[str, Any],
+    ) -> Path:
+        """Write checkpoint `step` (every rank calls this). Raises OSError (e.g. ENOSPC) with the previous
+        checkpoints untouched and the temporary directory removed."""
+        started = time.perf_counter()
+        final = self.directory / step_name(step)
+        tmp = self.directory / f".{step_name(step)}.tmp"
+        try:
+            if self.rank == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._remove_leftovers()
+                tmp.mkdir()
+            _barrier()
+            files = self._write_payload(tmp, model, optimizer)
+            files[rank_file(self.rank)] = _write_durable(tmp / rank_file(self.rank), local_state)
+            files = self._gather_files(files, tmp)
+            if self.rank == 0:
+                record = {"format_version": FORMAT_VERSION, "format": self.format, "step": step, **meta}
+                record["world_size"] = self.world_size
+                record["files"] = files
+                _write_text_durable(tmp / META, json.dumps(record, indent=1, sort_keys=True) + "\n")
+                fsync_dir(tmp)
+                self._move_into_place(tmp, final)
+                write_pointer(self.directory, final.name)
+                self._prune()
+        except BaseException as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            cause = _os_error(e)
+            if cause is not None and cause is not e:  # torch and DCP wrap a failed write: report the OSError
+                raise cause from e
+            raise
+        _barrier()
+        if self.rank == 0:
+            size = sum(f["bytes"] for f in files.values())
+            log.info(
+                "checkpoint %s saved (%.1f MB, %.2f s)", final.name, size / 1e6, time.perf_counter() - started
+            )
+        return final
+
+    def _write_payload(self, tmp: Path, model, optimizer) -> dict[str, dict[str, int]]:
+        if self.format == "torch":
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            return {TORCH_PAYLOAD: _write_durable(tmp / TORCH_PAYLOAD, state)}
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        with _single_process_quiet():
+            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=writer)
+        return {}  # DCP's own files are checksummed by rank 0 in _gather_files
+
+    def _gather_files(self, files: dict, tmp: Path) -> dict[str, dict[str, int]]:
+        """Rank 0 collects every rank's file records and checksums the files DCP wrote."""
+        if _dist_active() and self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(gathered, files)
+            files = {k: v for part in gathered for k, v in part.items()}
+        if self.rank == 0 and self.format == "dcp":
+            # DCP fsynced its files (sync_files=True); their checksums are read back once here.
+            for path in sorted(tmp.iterdir()):
+                if path.is_file() and path.name not in files and path.name != META:
+                    files[path.name] = file_crc32(path)
+        return files
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        if final.exists():  # a re-save of the same step: the new copy replaces it
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(self.directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            fsync_dir(self.directory)
+
+    def _remove_leftovers(self) -> None:
+        """Temporary directories of saves or prunes that a kill interrupted (rank 0, before a save)."""
+        for path in self.directory.iterdir():
+            if path.name.startswith(".step_") and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _prune(self) -> None:
+        """Keep the newest `keep_last` complete checkpoints (0 = all). Each victim is renamed first, so a
+        kill during the deletion never leaves a half-deleted directory under a checkpoint's name."""
+        if self.keep_last <= 0:
+            return
+        dirs = self.step_dirs()
+        for _, path in dirs[: max(0, len(dirs) - self.keep_last)]:
+            doomed = path.with_name(f".{path.name}.deleting")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def set_aside(self, newer_than: int) -> list[Path]:
+        """Rename checkpoints after step `newer_than` to discarded_step_XXXXXXXX (rank 0; when a run resumes
+        from an older checkpoint, the newer ones belong to an abandoned trajectory). Returns the new names."""
+        moved = []
+        for step, path in self.step_dirs():
+            if step > newer_than:
+                target = path.with_name(f"discarded_{path.name}")
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(path, target)
+                moved.append(target)
+        if moved:
+            fsync_dir(self.directory)
+            write_pointer(self.directory, step_name(newer_than))
+        return moved
+
+    # ---------------------------------------------------------------------------------------------- load
+
+    def load(
+        self, info: CheckpointInfo, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        """Load model and optimizer in place; return this rank's local state. Expects a verified `info`."""
+        device = next(model.parameters()).device
+        if info.meta.get("format", "torch") == "torch":
+            state = torch.load(info.path / TORCH_PAYLOAD, map_location=device, weights_only=True)
+            model.load_state_dict(state["model"], strict=True)
+            if optimizer is not None:
+                optimizer.load_state_dict(state["optimizer"])
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            optimizers = _optimizers(optimizer) if optimizer is not None else []
+            model_state, optim_state = get_state_dict(model, optimizers)
+            with _single_process_quiet():
+                dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(info.path))
+            set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
+        return load_local_state(info, self.rank)
+
+
+def load_local_state(info: CheckpointInfo, rank: int) -> dict[str, Any]:
+    """This rank's train state. A checkpoint written with fewer ranks has no file for this rank: it then
+    gets rank 0's (the run goes on with the same global batch; see docs/reliability.md)."""
+    path = info.path / rank_file(rank)
+    if not path.exists():
+        path = info.path / rank_file(0)
+    # weights_only=False: the file holds Python RNG states; a checkpoint is trusted input, like any pickle.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory from itself, a checkpoints/ directory or a run directory (via `latest`, else the
+    newest step_XXXXXXXX)."""
+    path = Path(path)
+    if (path / META).exists():
+        return path
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    name = read_pointer(path)
+    if name and (path / name / META).exists():
+        return path / name
+    dirs = CheckpointStore(path).step_dirs()
+    if not dirs:
+        raise CheckpointError(f"{path}: holds no checkpoint")
+    return dirs[-1][1]
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A whole checkpoint as one dict (for tools and tests): step, model, optimizer, meta and rank 0's train
+    state. `path`: a checkpoint, checkpoints/ or run directory."""
+    info = CheckpointStore(Path(path)).verify(resolve_checkpoint(path))
+    if info.meta["format"] == "torch":
+        state = torch.load(info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)
+    else:
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(info.path, Path(scratch) / "state.pt")
+            state = torch.load(Path(scratch) / "state.pt", map_location="cpu", weights_only=True)
+    return {
+        "step": info.step,
+        "model": state["model"],
+        "optimizer": state["optimizer"],
+        "meta": info.meta,
+        "train_state": load_local_state(info, 0),
+    }

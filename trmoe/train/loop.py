@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config.match import solve_match
 from trmoe.config.resolve import model_spec, to_config
-from trmoe.config.schema import Config
-from trmoe.data.pipeline import Batch, build_data
+from trmoe.config.schema import Config, Progress, SpikePolicy
+from trmoe.data.pipeline import Batch, build_data, micro_batch_samples
+from trmoe.errors import RunFailed, UserError
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import env, records
-from trmoe.train.checkpoint import save_checkpoint
+from trmoe.train import distributed, env, guards, parallel, records, resume, signals, status
+from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir
+from trmoe.train.controls import TrainingControls, check_controls, is_log_step
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
 from trmoe.train.progress import ProgressReporter
-from trmoe.train.schedule import apply_lr, lr_multiplier
 
 log = logging.getLogger("trmoe")
 
@@ -56,39 +58,136 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
     return (ce / tokens).item()
 
 
+def _eval_figures(model: TRMoETransformer, data, cfg: Config, device, amp_dtype) -> dict:
+    """The evaluation columns of metrics.csv: held-out loss (and ppl, bits per byte) and the loss on a fixed
+    stream of the training split; run_config.json["data"]["metric_streams"] names each stream."""
+    eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
+    eval_train_loss = evaluate(model, data.eval_train_set, cfg, device, amp_dtype)
+    return {
+        "eval_train_loss": eval_train_loss,
+        "eval_loss": eval_loss,
+        "eval_ppl": _ppl(eval_loss),
+        "eval_bpb": data.bpb(eval_loss),
+    }
+
+
+def checkpoint_store(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1) -> CheckpointStore:
+    fmt = cfg.checkpoint.format.value
+    if fmt == "auto":
+        fmt = "dcp" if world_size > 1 else "torch"
+    if fmt == "torch" and world_size > 1:
+        raise UserError("config error: checkpoint.format=torch: distributed runs use dcp; allowed: auto, dcp")
+    return CheckpointStore(
+        checkpoint_dir(run_dir),
+        keep_last=cfg.checkpoint.keep_last,
+        format=fmt,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
 def train(raw_cfg: DictConfig, run_dir: Path) -> float:
-    """Run one training job into run_dir; returns the final held-out loss. Raises UserError on bad input
-    before anything is written."""
+    """Run one training job into run_dir, or continue the run it holds (trainer.resume, docs/reliability.md);
+    returns the final held-out loss. Raises UserError on bad input, or on a run directory it must not
+    overwrite or continue, before anything is written."""
     cfg = to_config(raw_cfg)
     device = env.select_device(cfg.hardware)
     amp_dtype = env.autocast_dtype(cfg.hardware, device)
     spec = model_spec(cfg)
-    records.check_fresh(run_dir)
-    data = build_data(cfg, spec.vocab_size)
-
-    # From here on the config and inputs are valid: write the run's records.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    records.write_hydra_files(run_dir, raw_cfg)
-    log_handler = records.attach_log_file(run_dir)
+    dist_env, device = distributed.init(device)  # torchrun / submitit ranks; shut down by the app
+    world_size, rank = dist_env.world_size, dist_env.rank
+    store = checkpoint_store(cfg, run_dir, rank, world_size)
+    derived = resume.derived_values(cfg, world_size, amp_dtype)
+    view = resume.training_view(resume.config_container(raw_cfg), derived, None)
+    plan = resume.plan_run(cfg, view, run_dir, store)  # reads only
+    if plan.mode == "complete":
+        log.info(
+            "%s is complete at step %d (trainer.steps=%d): nothing to do",
+            run_dir,
+            plan.start_step,
+            cfg.trainer.steps,
+        )
+        return plan.final_eval_loss
+    check_controls(cfg, device)  # loss backend and compile backend: before anything is written
+    data = build_data(cfg, spec.vocab_size, device=device)
     try:
-        return _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data)
+        plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
+    except BaseException:
+        data.close()
+        raise
+
+    # From here on the config and inputs are valid: write the run's records (rank 0; every rank has read
+    # the run directory before it changes).
+    distributed.barrier()
+    if rank == 0:
+        plan.prepare(store)
+        records.write_hydra_files(run_dir, raw_cfg)
+        status.write_status(run_dir, status.RUNNING)
+        log_handler = records.attach_log_file(run_dir)
+    else:
+        log_handler = distributed.attach_rank_log(run_dir, rank)
+    distributed.barrier()
+    try:
+        with signals.StopSignals() as stop:
+            final = _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop)
+        if rank == 0:
+            status.write_status(run_dir, status.FINISHED, final_eval_loss=final)
+        return final
+    except signals.Preempted as e:  # a requested stop, checkpoint saved: the rerun resumes
+        if rank == 0:
+            status.write_status(run_dir, signals.PREEMPTED, step=e.step, error=str(e))
+        raise
+    except BaseException as e:  # the run dir says why it stopped (a sweep report lists it as failed)
+        if rank == 0:
+            status.write_status(run_dir, status.FAILED, error=status.error_line(e))
+        raise
     finally:
+        data.close()
         logging.getLogger().removeHandler(log_handler)
         log_handler.close()
 
 
-def _train(cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, spec, data) -> float:
+def _guard_verdict(guard, step: int, ce, objective, tokens: int, grad_norm) -> guards.Verdict:
+    if step in guard.dropped:
+        guard.drop(step)
+        return guards.Verdict(guards.SKIP, "batch dropped by an earlier rollback")
+    if not guard.active:
+        return guards.Verdict(guards.APPLY)
+    # the guard's host sync: one per step
+    loss, obj, norm = torch.stack([ce / tokens, objective / tokens, grad_norm.double()]).tolist()
+    return guard.check(step, loss, obj, norm)
+
+
+def _train(
+    cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, spec, data, plan, store, stop
+) -> float:
     t = cfg.trainer
     env.configure(cfg.hardware, device)
     env.seed_everything(t.seed)
-    model = TRMoETransformer(spec).to(device)
+    model = TRMoETransformer(spec).to(device)  # same seed on every rank: identical initial weights
     params = count_parameters(model)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
+    dist_env = distributed.detect()
+    world_size, rank = dist_env.world_size, dist_env.rank
+    strategy = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
+    replicated = []  # FSDP: parameters it leaves unsharded (scalar gates); their gradients are averaged here
+    if strategy == "fsdp":  # in place, before the optimizer sees the (now sharded) parameters
+        replicated = parallel.shard_fsdp(model, amp_dtype)
+    controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates are not learned
+    optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
+    if strategy == "ddp":  # the training forward goes through DDP; eval, loss head and checkpoints use model
+        ddp = parallel.wrap_ddp(model, device)
+        controls.train_model = torch.compile(ddp, backend=t.compile_backend) if t.compile else ddp
+    else:
+        ddp = None
 
-    world_size, rank = 1, 0
     samples_per_step = t.micro_batch * t.grad_accum * world_size
     tokens_per_step = samples_per_step * t.seq_len
     log.info("run directory: %s", run_dir)
+    if world_size > 1:
+        log.info("%d ranks (%s), strategy %s", world_size, dist_env.source, strategy)
+    if plan.mode != "fresh":
+        source = plan.checkpoint.path if plan.checkpoint else "no checkpoint"
+        log.info("=== %s from step %d (%s) ===", plan.mode, plan.start_step, source)
     log.info(
         "model %s: %s parameters (%s active per token, %s embedding), %d layers, attention %s %d/%d, "
         "FFN shared %d + routed %d x %d (top-%d, %s)",
@@ -112,118 +211,235 @@ def _train(cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, s
         t.steps,
         f"{tokens_per_step * t.steps:,}",
     )
-    records.write_run_config(
-        run_dir,
-        {
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir.resolve()),
-            "config": OmegaConf.to_container(raw_cfg, resolve=True),
-            "model_spec": spec.to_dict(),
-            "params": params.to_dict(),
-            "git": env.git_commit(),
-            "world_size": world_size,
-            "backend": env.backend_metadata(device, amp_dtype),
-            "tokens_per_step": tokens_per_step,
-            "total_tokens": tokens_per_step * t.steps,
-            "data": data.info,
-            "metrics_columns": list(records.METRIC_COLUMNS),
-        },
+    match = solve_match(cfg)
+    if match is not None:
+        log.info("parameter match: %s", match.describe())
+    if rank == 0:
+        records.write_run_config(
+            run_dir,
+            {
+                "run_name": run_dir.name,
+                "run_dir": str(run_dir.resolve()),
+                "config": OmegaConf.to_container(raw_cfg, resolve=True),
+                "model_spec": spec.to_dict(),
+                "params": params.to_dict(),
+                "git": env.git_commit(),
+                "world_size": world_size,
+                "strategy": strategy,  # none | ddp | fsdp (hardware.strategy resolved)
+                "backend": env.backend_metadata(device, amp_dtype),
+                "tokens_per_step": tokens_per_step,
+                "total_tokens": tokens_per_step * t.steps,
+                "data": data.info,
+                "metrics_columns": list(records.METRIC_COLUMNS),
+                "controls": controls.record(optimizer),  # loss backend, optimizer groups, schedules, compile
+                "param_match": None if match is None else match.to_dict(),  # model.match_params: solved width
+                **plan.record(),  # config hash, derived values, the attempts of this run (force_resume noted)
+            },
+        )
+    if rank == 0:
+        metrics = records.MetricsWriter(
+            run_dir / "metrics.csv", append=plan.mode == "resume", rows=plan.metrics_rows
+        )
+    else:  # ranks > 0 compute the same rows (the reductions are collective) but write nothing
+        metrics = distributed.NullMetrics()
+    controls.attach(optimizer, run_dir, write_files=rank == 0)
+    progress = ProgressReporter(
+        cfg.run.progress if rank == 0 else Progress.log, t.steps, start_step=plan.start_step
     )
-    metrics = records.MetricsWriter(run_dir / "metrics.csv")
-    progress = ProgressReporter(cfg.run.progress, t.steps)
     params_list = [p for p in model.parameters() if p.requires_grad]
-    loss_kwargs = {
-        "chunk_tokens": cfg.loss.chunk_tokens,
-        "label_smoothing": cfg.loss.label_smoothing,
-        "z_loss": cfg.loss.z_loss,
-    }
-
-    eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
-    metrics.write(
-        {"step": 0, "tokens": 0, "eval_loss": eval_loss, "eval_ppl": _ppl(eval_loss), "elapsed_s": 0.0}
-    )
-    log.info("step 0 | eval %.4f", eval_loss)
 
     # Running sums between log rows stay on the device: no host sync except at log steps.
-    window_ce = torch.zeros((), dtype=torch.float64, device=device)
-    window_obj = torch.zeros((), dtype=torch.float64, device=device)
-    window_tokens = 0
-    window_time, train_time = 0.0, 0.0
+    window = records.MetricsWindow(device)
+    guard = guards.StepGuard(cfg.guard)
+    identity = plan.identity(raw_cfg, data.info)
+    train_time, last_saved = 0.0, -1
+
+    def save(step: int) -> bool:
+        """Checkpoint `step`; False (reported) if the write failed, the previous checkpoint then stays."""
+        nonlocal last_saved
+        meta = {
+            "tokens": step * tokens_per_step,
+            "eval_loss": eval_loss,
+            "metrics": metrics.sync(),
+            **identity,
+        }
+        state = resume.capture(
+            step=step,
+            tokens=step * tokens_per_step,
+            next_sample=step * samples_per_step,
+            data=data,
+            window=window,
+            guard=guard,
+            train_time=train_time,
+            eval_loss=eval_loss,
+        )
+        try:
+            store.save(step, model=model, optimizer=optimizer, local_state=state, meta=meta)
+        except OSError as e:
+            good = store.newest_good()
+            log.error(
+                "checkpoint at step %d failed: %s; the newest complete checkpoint is still %s",
+                step,
+                e,
+                good.path.name if good else "none",
+            )
+            return False
+        last_saved = step
+        return True
+
+    def rollback(step: int, reason: str) -> int:
+        """Back to the newest good checkpoint; the replay skips batch `step`. Returns the checkpoint step."""
+        nonlocal train_time, eval_loss, last_saved
+        target = store.newest_good()
+        if guard.rollbacks >= cfg.guard.max_rollbacks or target is None:
+            why = (
+                "no checkpoint to roll back to"
+                if target is None
+                else f"guard.max_rollbacks={cfg.guard.max_rollbacks} reached"
+            )
+            raise RunFailed(
+                f"step {step}: {reason}; {why}; the last good state is {target.path if target else 'lost'}"
+            )
+        carry = guard.rollback_carry(step)
+        state = store.load(target, model=model, optimizer=optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        resume.restore(state, data=data, window=window, guard=guard, load_data=True)
+        guard.apply_carry(carry)
+        metrics.rewind(target.step)
+        train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], target.step
+        log.warning(
+            "step %d: %s; rolled back to %s: steps %d..%d are recomputed, batch %d is skipped",
+            step,
+            reason,
+            target.path.name,
+            target.step + 1,
+            step - 1,
+            step,
+        )
+        return target.step
+
+    if plan.mode == "resume":
+        state = store.load(plan.checkpoint, model=model, optimizer=optimizer)
+        resume.restore(state, data=data, window=window, guard=guard, load_data=False)  # data: in check_data
+        train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
+        log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)
+    else:
+        figures = _eval_figures(model, data, cfg, device, amp_dtype)
+        eval_loss = figures["eval_loss"]
+        metrics.write({"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0})
+        log.info("step 0 | eval %.4f | eval_train %.4f", eval_loss, figures["eval_train_loss"])
+        if cfg.guard.spike_policy == SpikePolicy.rollback:
+            save(0)  # something to roll back to before the first periodic checkpoint
+
     step_start = time.perf_counter()
     grad_norm = torch.zeros((), device=device)
-    for step in range(1, t.steps + 1):
-        lr_mult = lr_multiplier(step, t.steps, cfg.optimizer)
-        apply_lr(optimizer, lr_mult)
-        first = (step - 1) * samples_per_step + rank * t.micro_batch * t.grad_accum
+    step = plan.start_step
+    while step < t.steps:
+        step += 1
+        controls.begin_step(step, optimizer)  # LR, p, gates, lambda: pure functions of the step
         micro_batches = [
-            data.train.batch(first + a * t.micro_batch, t.micro_batch) for a in range(t.grad_accum)
+            data.train.batch(first, count)
+            for first, count in micro_batch_samples(step, rank, world_size, t.micro_batch, t.grad_accum)
         ]
         step_tokens = sum(int(y.numel()) for _, y in micro_batches)
-        for inputs, targets in micro_batches:
+        step_ce = torch.zeros((), dtype=torch.float64, device=device)
+        step_obj = torch.zeros((), dtype=torch.float64, device=device)
+        # a batch that an earlier rollback dropped is read (stream cursors advance) but not learned from
+        for a, (inputs, targets) in enumerate(micro_batches if step not in guard.dropped else []):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with env.autocast(device, amp_dtype):
-                hidden = model(inputs)
-            sums = chunked_tied_ce(hidden, model.head_weight, targets, **loss_kwargs)
-            # Normalise by the tokens of the whole accumulated batch: accumulation equals one larger batch.
-            (sums.total / step_tokens).backward()
-            window_ce += sums.ce.double()
-            window_obj += sums.total.detach().double()
+            last = a == len(micro_batches) - 1
+            with distributed.no_sync(ddp, sync=last) if ddp is not None else contextlib.nullcontext():
+                with env.autocast(device, amp_dtype):
+                    hidden = controls.forward(inputs)
+                sums = controls.loss(hidden, targets)
+                # Normalise by the tokens of the whole accumulated batch: accumulation equals one larger
+                # batch. Every rank has as many tokens, so DDP's gradient mean is the global batch's.
+                objective = sums.total / step_tokens
+                penalty = controls.penalty() if last else None  # once per step
+                (objective if penalty is None else objective + penalty).backward()
+            step_ce += sums.ce.double()
+            step_obj += sums.total.detach().double()
+        parallel.average_gradients(replicated)
+        controls.before_clip(is_log_step(step, cfg))
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params_list, max_norm, foreach=True)
-        optimizer.step()
+        grad_norm = parallel.full(grad_norm)  # FSDP: a DTensor norm, the same on every rank
+        if world_size > 1 and guard.active:  # every rank must reach the same verdict: the global loss
+            g_ce, g_obj = distributed.all_reduce_sum(step_ce, step_obj)
+            verdict = _guard_verdict(guard, step, g_ce, g_obj, step_tokens * world_size, grad_norm)
+        else:
+            verdict = _guard_verdict(guard, step, step_ce, step_obj, step_tokens, grad_norm)
+        if verdict.action == guards.ROLLBACK:
+            step = rollback(step, verdict.reason)
+            continue
+        if verdict.action == guards.APPLY:
+            optimizer.step()
+            window.add(step_ce, step_obj, step_tokens)
+        if verdict.reason:
+            log.warning(
+                "step %d: %s%s", step, verdict.reason, "; skipped" if verdict.action == guards.SKIP else ""
+            )
         optimizer.zero_grad(set_to_none=True)
-        window_tokens += step_tokens
         progress.step()
 
         is_last = step == t.steps
         do_eval = is_last or (t.eval_every > 0 and step % t.eval_every == 0)
-        if do_eval or step == 1 or step % t.log_every == 0:
-            train_ce = (window_ce / window_tokens).item()  # the host sync of this window
+        halt = guard.too_many_skips
+        if do_eval or halt or step == 1 or step % t.log_every == 0:
+            # the host sync of this window (and its one all-reduce: every rank has as many tokens)
+            train_ce, train_objective = distributed.window_means(window)
             now = time.perf_counter()
-            window_time += now - step_start
+            window.time += now - step_start
             train_time += now - step_start
             row = {
                 "step": step,
                 "tokens": step * tokens_per_step,
                 "train_loss": train_ce,
                 "train_ppl": _ppl(train_ce),
-                "train_objective": (window_obj / window_tokens).item(),
-                "lr": cfg.optimizer.lr * lr_mult,
+                "train_objective": train_objective,
                 "grad_norm": grad_norm.item(),
-                "tok_s": window_tokens / max(window_time, 1e-9),
+                "tok_s": window.tokens * world_size / max(window.time, 1e-9),
                 "elapsed_s": train_time,
+                "skipped_steps": guard.skipped,
+                "loss_spikes": guard.spikes,
             }
             row["shared_gate"], row["routed_gate"] = _gate_means(model)
+            row.update(controls.log_columns(step))  # per-group LRs, p, lambda, telemetry
             if do_eval:
-                eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
-                row.update(eval_loss=eval_loss, eval_ppl=_ppl(eval_loss))
+                row.update(_eval_figures(model, data, cfg, device, amp_dtype))
+                eval_loss = row["eval_loss"]
             metrics.write(row)
             progress.report(row, t.steps, eta_s=(t.steps - step) * train_time / step)
-            window_ce.zero_()
-            window_obj.zero_()
-            window_tokens, window_time = 0, 0.0
+            window.reset()
             step_start = time.perf_counter()  # evaluation and logging are not training time
         else:
             now = time.perf_counter()
-            window_time += now - step_start
+            window.time += now - step_start
             train_time += now - step_start
             step_start = now
 
-        if is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0):
-            save_checkpoint(
-                run_dir,
-                step,
-                {
-                    "step": step,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "config": OmegaConf.to_container(raw_cfg, resolve=True),
-                    "model_spec": asdict(spec),
-                },
-            )
+        every = cfg.checkpoint.every_steps
+        if is_last or halt or (every > 0 and step % every == 0):
+            if not save(step) and (is_last or halt):
+                raise RunFailed(f"step {step}: the final checkpoint could not be written (see the log above)")
             step_start = time.perf_counter()
+        if halt:
+            raise RunFailed(
+                f"stopped at step {step}: {guard.consecutive_skips} consecutive steps had a non-finite loss "
+                f"or gradient (guard.max_skips={cfg.guard.max_skips}); the last good state is in checkpoint "
+                f"step_{step:08d}"
+            )
+        signum = stop.agreed()
+        if signum is not None and not is_last:  # SIGUSR2 / SIGTERM: save here, then stop (requeue resumes)
+            if last_saved != step and not save(step):
+                raise RunFailed(f"step {step}: stop signal, but the checkpoint could not be written")
+            progress.close()
+            metrics.close()
+            controls.close()
+            raise signals.Preempted(signum, step, stop.previous(signum))
     progress.close()
     metrics.close()
+    controls.close()
     log.info(
         "done: final eval loss %.4f (ppl %.2f), %s tokens in %.1f s",
         eval_loss,

@@ -1,15 +1,26 @@
-"""AdamW with parameter groups: routed experts, shared expert, everything else.
+"""The optimizers (optimizer.name): adamw, muon_tr, stosignsgd. Update rules: docs/optimizers.md.
 
-Each group has its own lr scale and weight decay. Only matrices are decayed: norms, gates and other
-1-D/0-D tensors never are, and the tied embedding only when optimizer.decay_embedding is set.
+Parameters fall in three roles: routed experts (w_in, w_out and the routed gate), shared expert (its
+matrices and gate) and base (embedding, attention, norms). Each role has its own lr scale and weight
+decay. Only matrices are decayed: norms, gates and other 1-D/0-D tensors never are, and the tied
+embedding only when optimizer.decay_embedding is set.
+
+Every group carries `name` and `base_lr`; the one global schedule sets lr = base_lr * multiplier on all
+of them (trmoe.train.schedule.apply_lr). No optimizer here keeps a warmup or decay of its own, and none
+communicates across ranks: under DDP every rank sees the same averaged gradients and applies the same
+per-parameter math.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from trmoe.config.schema import OptimizerConfig
+from trmoe.config.schema import MuonScope, OptimizerConfig, OptimizerName
+from trmoe.train.muon import Muon
+from trmoe.train.stosignsgd import StoSignSGD
 
 
 def param_group_name(name: str) -> str:
@@ -21,43 +32,186 @@ def param_group_name(name: str) -> str:
     return "base"
 
 
-def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+def _role_settings(cfg: OptimizerConfig) -> tuple[dict[str, float], dict[str, float]]:
     scales = {"expert": cfg.expert_lr_scale, "shared": cfg.shared_lr_scale, "base": 1.0}
     decays = {
         "expert": cfg.weight_decay if cfg.expert_weight_decay is None else cfg.expert_weight_decay,
         "shared": cfg.weight_decay if cfg.shared_weight_decay is None else cfg.shared_weight_decay,
         "base": cfg.weight_decay,
     }
+    return scales, decays
+
+
+def _on_muon(name: str, p: nn.Parameter, role: str, scope: MuonScope) -> bool:
+    if p.ndim < 2 or name == "embed.weight":
+        return False
+    if scope == MuonScope.all:
+        return True
+    if role == "expert":
+        return True
+    return role == "shared" and scope == MuonScope.experts_shared
+
+
+def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """The element-wise groups of every trainable parameter (adamw, stosignsgd)."""
+    return split_param_groups(model, cfg, muon=False)[0]
+
+
+def split_param_groups(model: nn.Module, cfg: OptimizerConfig, muon: bool) -> tuple[list[dict], list[dict]]:
+    """(element-wise groups, Muon groups). The Muon list is empty unless `muon`: then the matrices of
+    optimizer.muon_scope go there, split by role and by whether they are a fused [gate | up] w_in."""
+    scales, decays = _role_settings(cfg)
     buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
+    muon_buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        group = param_group_name(name)
+        role = param_group_name(name)
+        if muon and _on_muon(name, p, role, cfg.muon_scope):
+            gate_up = cfg.muon_split_gate_up and name.endswith("w_in")
+            muon_buckets.setdefault((role, gate_up), []).append(p)
+            continue
         is_embedding = name == "embed.weight"
         decay = p.ndim >= 2 and (not is_embedding or cfg.decay_embedding)
-        buckets.setdefault((group, decay), []).append(p)
+        buckets.setdefault((role, decay), []).append(p)
     groups = []
-    for (group, decay), params in sorted(buckets.items()):
+    for (role, decay), params in sorted(buckets.items()):
+        lr = cfg.lr * scales[role]
         groups.append(
             {
-                "name": f"{group}{'' if decay else '_no_decay'}",
+                "name": f"{role}{'' if decay else '_no_decay'}",
                 "params": params,
-                "lr": cfg.lr * scales[group],
-                "base_lr": cfg.lr * scales[group],  # the schedule multiplies this
-                "weight_decay": decays[group] if decay else 0.0,
+                "lr": lr,
+                "base_lr": lr,  # the schedule multiplies this
+                "weight_decay": decays[role] if decay else 0.0,
             }
         )
-    return groups
+    muon_groups = []
+    for (role, gate_up), params in sorted(muon_buckets.items()):
+        lr = cfg.lr * scales[role] * cfg.muon_lr_scale
+        muon_groups.append(
+            {
+                "name": f"muon_{role}{'_gate_up' if gate_up else ''}",
+                "params": params,
+                "lr": lr,
+                "base_lr": lr,
+                "weight_decay": decays[role],
+                "split_gate_up": gate_up,
+            }
+        )
+    return groups, muon_groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+class OptimizerSet:
+    """Several torch optimizers over disjoint parameters, driven as one: param_groups (all of them, the
+    same dicts, so setting a group's lr works), step, zero_grad, state_dict / load_state_dict."""
+
+    def __init__(self, **optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    def step(self, closure=None):
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer_set": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        parts = state_dict["optimizer_set"]
+        if set(parts) != set(self.optimizers):
+            raise ValueError(f"optimizer state holds {sorted(parts)}, this one is {sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(parts[name])
+
+
+def _adamw(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     # fused kernels on CUDA; the foreach path elsewhere (both are mathematically plain AdamW)
     fused = device.type == "cuda"
     return torch.optim.AdamW(
-        param_groups(model, cfg),
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         fused=fused,
         foreach=None if fused else True,
     )
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, *, seed: int = 0):
+    """The optimizer of optimizer.name over `model`. `seed` salts StoSignSGD's sign noise."""
+    if cfg.name == OptimizerName.muon_tr:
+        groups, muon_groups = split_param_groups(model, cfg, muon=True)
+        muon = Muon(
+            muon_groups,
+            lr=cfg.lr,
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_ns_steps,
+            update_rms=cfg.muon_update_rms,
+        )
+        return OptimizerSet(muon=muon, adamw=_adamw(groups, cfg, device))
+    groups = param_groups(model, cfg)
+    if cfg.name == OptimizerName.stosignsgd:
+        return StoSignSGD(groups, lr=cfg.lr, beta=cfg.beta1, max_decay=cfg.stosign_max_decay, seed=seed)
+    return _adamw(groups, cfg, device)
+
+
+def optimizer_kind(optimizer, group: dict) -> str:
+    """Which update rule a group gets: adamw, muon or stosignsgd."""
+    if isinstance(optimizer, OptimizerSet):
+        for name, opt in optimizer.optimizers.items():
+            if any(g is group for g in opt.param_groups):
+                return name
+    return "stosignsgd" if isinstance(optimizer, StoSignSGD) else "adamw"
+
+
+def describe_groups(optimizer) -> list[dict]:
+    """Recorded in run_config.json: every group's rule, base lr, weight decay and size."""
+    return [
+        {
+            "name": g["name"],
+            "optimizer": optimizer_kind(optimizer, g),
+            "base_lr": g["base_lr"],
+            "weight_decay": g["weight_decay"],
+            "tensors": len(g["params"]),
+            "params": sum(p.numel() for p in g["params"]),
+        }
+        for g in optimizer.param_groups
+    ]
+
+
+class GroupLRs:
+    """The metrics columns lr, lr_expert, lr_shared: the lr of the group that holds, respectively, the
+    tied embedding, the routed experts' w_out and the shared expert's w_out (nan when absent). All
+    groups follow one multiplier: another group's lr is its base_lr (run_config.json) * lr / optimizer.lr."""
+
+    def __init__(self, model: nn.Module, optimizer):
+        block = model.blocks[0]
+        probes: dict[str, torch.Tensor | None] = {"lr": model.embed.weight}
+        probes["lr_expert"] = probes["lr_shared"] = None
+        if block.ffn.routed is not None:
+            probes["lr_expert"] = block.ffn.routed.w_out
+        if block.ffn.shared is not None:
+            probes["lr_shared"] = block.ffn.shared.w_out
+        self._optimizer = optimizer
+        self._groups: dict[str, int | None] = {}
+        for column, p in probes.items():
+            holders = [i for i, g in enumerate(optimizer.param_groups) if any(q is p for q in g["params"])]
+            self._groups[column] = holders[0] if holders else None
+
+    def row(self) -> dict[str, float | None]:
+        # groups by index: load_state_dict (resume, rollback) replaces an optimizer's group dicts
+        groups = self._optimizer.param_groups
+        return {col: (None if i is None else groups[i]["lr"]) for col, i in self._groups.items()}

@@ -28,6 +28,10 @@ class ProgressReporter:
         parts = [f"loss {row['train_loss']:.4f}", f"lr {row['lr']:.2e}", f"tok/s {row['tok_s']:.0f}"]
         if row.get("eval_loss") is not None:
             parts.insert(1, f"eval {row['eval_loss']:.4f}")
+        if row.get("expert_imbalance") is not None:  # telemetry.moe
+            parts.append(f"imb {row['expert_imbalance']:.2f}")
+        if row.get("expert_dead") is not None:
+            parts.append(f"dead {row['expert_dead']}")
         if self._bar is not None:
             self._bar.set_postfix_str(" | ".join(parts), refresh=True)
         else:

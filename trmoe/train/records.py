@@ -1,22 +1,23 @@
 """The run directory: .hydra/, train.log, run_config.json, metrics.csv, checkpoints/.
 
-Nothing is written before the config is valid; files are written whole (temporary name, then rename)
-and an existing run's records are never overwritten.
+Nothing is written before the config is valid; files are written whole (temporary name, then rename).
+An existing run's records are never overwritten: a resume continues metrics.csv from its checkpoint's step
+(`continue_metrics`), and trmoe.train.resume decides, before any write, what a launch may do.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from trmoe.errors import UserError
 
 SCHEMA_VERSION = 1
 
@@ -27,16 +28,29 @@ METRIC_COLUMNS = (
     "train_loss",  # pure cross-entropy of the step's batch (mean over its tokens)
     "train_ppl",
     "train_objective",  # what was optimised: smoothed CE + z-loss term
+    "eval_train_loss",  # pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)
     "eval_loss",  # pure cross-entropy on the fixed held-out batches
     "eval_ppl",
-    "lr",
+    "eval_bpb",  # held-out bits per UTF-8 byte: summed CE / ln 2 / bytes of the scored text (NaN: no text)
+    "lr",  # lr of the group holding the tied embedding (optimizer.lr x the schedule multiplier)
+    "lr_expert",  # lr applied to the routed experts' matrices (Muon's under muon_tr)
+    "lr_shared",  # lr applied to the shared expert's matrices
     "grad_norm",  # global gradient norm before clipping
     "tok_s",  # training tokens per second over the logging window, evaluation time excluded
     "elapsed_s",
     "shared_gate",
     "routed_gate",
-    "expert_imbalance",
-    "expert_dead",
+    "expert_imbalance",  # telemetry.moe: max share / mean share of route slots, mean over layers
+    "expert_dead",  # telemetry.moe: experts with no route slot in the window, summed over layers
+    "shared_rms",  # telemetry.moe: RMS of the shared branch's output contribution, mean over layers
+    "routed_rms",  # telemetry.moe: RMS of the routed branch's output contribution, mean over layers
+    "grad_norm_shared",  # telemetry.moe: grad norm of the shared experts (all layers), before clipping
+    "grad_norm_routed",  # telemetry.moe: grad norm of the routed experts (all layers), before clipping
+    "primary_weight",  # top-k primary weight p at this step (nan when top_k = 1)
+    "diversity_lambda",  # lambda of the expert-diversity penalty at this step (nan when off)
+    "diversity",  # expert-diversity penalty (mean squared expert cosine) at this step (nan when off)
+    "skipped_steps",  # steps skipped so far: non-finite loss or gradient, or a batch dropped by a rollback
+    "loss_spikes",  # loss spikes detected so far (guard.spike_factor)
 )
 
 RUN_FILES = ("run_config.json", "metrics.csv")
@@ -49,16 +63,6 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def check_fresh(run_dir: Path) -> None:
-    """Refuse to reuse a directory that already holds a run's records."""
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if existing:
-        raise UserError(
-            f"run directory {run_dir} already holds a run ({', '.join(existing)}); "
-            "choose another run.name (nothing was changed)"
-        )
 
 
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -97,13 +101,17 @@ def _fmt(value: Any) -> str:
 
 
 class MetricsWriter:
-    """metrics.csv: one row per logged step, flushed as written."""
+    """metrics.csv: one row per logged step, flushed as written. `append=True` continues an existing file
+    (after `continue_metrics` trimmed it to the resumed step)."""
 
-    def __init__(self, path: Path):
-        self._file = open(path, "w", newline="")
+    def __init__(self, path: Path, *, append: bool = False, rows: int = 0):
+        self.path = path
+        self.rows = rows if append else 0
+        self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.writer(self._file)
-        self._writer.writerow(METRIC_COLUMNS)
-        self._file.flush()
+        if not append:
+            self._writer.writerow(METRIC_COLUMNS)
+            self._file.flush()
 
     def write(self, row: dict[str, Any]) -> None:
         unknown = set(row) - set(METRIC_COLUMNS)
@@ -111,6 +119,121 @@ class MetricsWriter:
             raise KeyError(f"unknown metric columns: {sorted(unknown)}")
         self._writer.writerow([_fmt(row.get(col)) for col in METRIC_COLUMNS])
         self._file.flush()
+        self.rows += 1
+
+    def sync(self) -> dict[str, int]:
+        """fsync (a checkpoint never gets ahead of the rows it covers) and return the position."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return {"rows": self.rows, "bytes": self._file.tell()}
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after `step` (a rollback to that step's checkpoint) and go on appending."""
+        self._file.close()
+        self.rows = continue_metrics(self.path, step)
+        self._file = open(self.path, "a", newline="")
+        self._writer = csv.writer(self._file)
 
     def close(self) -> None:
         self._file.close()
+
+
+def continue_metrics(path: Path, through_step: int) -> int:
+    """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
+    resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
+    from an older column set is migrated (new columns get nan; the original is kept as metrics.csv.orig).
+    Returns the number of rows kept."""
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        rows = list(reader)
+    if header is None:
+        header = list(METRIC_COLUMNS)
+    kept = []
+    for row in rows:
+        try:
+            step = int(row[0])
+        except (ValueError, IndexError):
+            continue  # a line a kill cut short
+        if step <= through_step and len(row) == len(header):
+            kept.append(dict(zip(header, row, strict=True)))
+    if tuple(header) != METRIC_COLUMNS:
+        dropped = [c for c in header if c not in METRIC_COLUMNS]
+        shutil.copyfile(path, path.with_name(path.name + ".orig"))
+        logging.getLogger("trmoe").warning(
+            "metrics.csv: columns migrated to this trmoe's set (new columns nan%s); original kept as %s.orig",
+            f"; dropped {dropped}" if dropped else "",
+            path.name,
+        )
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(METRIC_COLUMNS)
+    for row in kept:
+        writer.writerow([row.get(col, "nan") for col in METRIC_COLUMNS])
+    write_atomic(path, out.getvalue())
+    return len(kept)
+
+
+def trim_csv(path: Path, through_step: int) -> int:
+    """Keep the header and the rows whose first column (the step) is <= through_step, atomically (for
+    per-step CSVs besides metrics.csv, e.g. telemetry.csv). Returns the number of rows kept."""
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        kept = []
+        for row in reader:
+            try:
+                if int(row[0]) <= through_step and len(row) == len(header):
+                    kept.append(row)
+            except (ValueError, IndexError, TypeError):
+                continue  # a line a kill cut short
+    out = io.StringIO()
+    writer = csv.writer(out)
+    if header is not None:
+        writer.writerow(header)
+    writer.writerows(kept)
+    write_atomic(path, out.getvalue())
+    return len(kept)
+
+
+class MetricsWindow:
+    """The running sums behind the next metrics row. They stay on the device (no host sync until the row)
+    and are part of a checkpoint, so a row written after a resume covers the same steps as without one."""
+
+    def __init__(self, device):
+        import torch  # lazily: the app imports this module before it needs torch
+
+        self.ce = torch.zeros((), dtype=torch.float64, device=device)
+        self.objective = torch.zeros((), dtype=torch.float64, device=device)
+        self.tokens = 0
+        self.time = 0.0  # training seconds in the window (tok_s)
+
+    def add(self, ce, objective, tokens: int) -> None:
+        self.ce += ce
+        self.objective += objective
+        self.tokens += tokens
+
+    def reset(self) -> None:
+        self.ce.zero_()
+        self.objective.zero_()
+        self.tokens, self.time = 0, 0.0
+
+    def means(self) -> tuple[float, float]:
+        """Mean CE and objective per token over the window (nan if every step of it was skipped)."""
+        if self.tokens == 0:
+            return math.nan, math.nan
+        return (self.ce / self.tokens).item(), (self.objective / self.tokens).item()
+
+    def state_dict(self) -> dict[str, Any]:
+        # float64 sums as Python floats: exact
+        return {
+            "ce": self.ce.item(),
+            "objective": self.objective.item(),
+            "tokens": self.tokens,
+            "time": self.time,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ce.fill_(state["ce"])
+        self.objective.fill_(state["objective"])
+        self.tokens, self.time = int(state["tokens"]), float(state["time"])

@@ -1,0 +1,170 @@
+"""Run the real app (`trmoe.train.__main__.main`, i.e. `python -m trmoe.train`) in this process, with one
+deterministic fault injected from outside the production code, then let the process die as it would.
+
+    python tests/resume_driver.py <fault> <hydra overrides...>
+
+Faults (k = optimizer step; the process SIGKILLs itself, exactly like `kill -9` from outside):
+    none                   no fault
+    step:k:forward         in step k's forward pass
+    step:k:after           after step k (its row and checkpoint written), before step k+1
+    eval:k                 in the evaluation of step k
+    save:k:payload         half-way through writing model_optim.pt of checkpoint k
+    save:k:rank            while writing rank_00000.pt of checkpoint k
+    save:k:meta            after meta.json of checkpoint k is written, before the directory rename
+    save:k:rename          after the rename, before `latest` is updated
+    save:k:pointer         with latest's temporary file written, before it replaces `latest`
+    save:k:prune           after an old checkpoint was renamed for deletion, before it is deleted
+    signal:k:USR2          the process sends itself SIGUSR2 (or TERM) in step k's forward
+    nan:k:n                the loss of steps k .. k+n-1 is NaN (exit code 3 once guard.max_skips trips)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+
+import trmoe.train.checkpoint as ckpt
+from trmoe.train.controls import TrainingControls
+
+current = {"step": 0, "saving": None}
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(fault: str) -> None:
+    if fault == "none":
+        return
+    kind, k, *rest = fault.split(":")
+    k = int(k)
+    phase = rest[0] if rest else ""
+
+    begin_step = TrainingControls.begin_step
+
+    def tracked_begin_step(self, step, optimizer):
+        if kind == "step" and phase == "after" and step == k + 1:
+            die()
+        current["step"] = step
+        return begin_step(self, step, optimizer)
+
+    TrainingControls.begin_step = tracked_begin_step
+
+    if kind in ("step", "signal"):
+        forward = TrainingControls.forward
+
+        def faulty_forward(self, inputs):
+            if current["step"] == k:
+                if kind == "step" and phase == "forward":
+                    die()
+                if kind == "signal":
+                    os.kill(os.getpid(), getattr(signal, f"SIG{phase}"))
+            return forward(self, inputs)
+
+        TrainingControls.forward = faulty_forward
+
+    if kind == "nan":
+        loss = TrainingControls.loss
+
+        def nan_loss(self, hidden, targets):
+            sums = loss(self, hidden, targets)
+            if k <= current["step"] < k + int(phase):
+                return type(sums)(sums.total * float("nan"), sums.ce * float("nan"), sums.z, sums.tokens)
+            return sums
+
+        TrainingControls.loss = nan_loss
+
+    if kind == "eval":
+        import trmoe.train.loop as loop
+
+        evaluate = loop.evaluate
+
+        def faulty_evaluate(*args, **kwargs):
+            if current["step"] == k:
+                die()
+            return evaluate(*args, **kwargs)
+
+        loop.evaluate = faulty_evaluate
+
+    if kind == "save":
+        save = ckpt.CheckpointStore.save
+
+        def tracked_save(self, step, **kwargs):
+            current["saving"] = step
+            try:
+                return save(self, step, **kwargs)
+            finally:
+                current["saving"] = None
+
+        ckpt.CheckpointStore.save = tracked_save
+        ours = lambda: current["saving"] == k  # noqa: E731
+
+        if phase == "payload":
+            write = ckpt._ChecksumWriter.write
+
+            def half_write(self, data):
+                if ours() and self.bytes > 200_000:
+                    die()
+                return write(self, data)
+
+            ckpt._ChecksumWriter.write = half_write
+        elif phase == "rank":
+            write_durable = ckpt._write_durable
+
+            def faulty_write_durable(path, obj):
+                if ours() and path.name.startswith("rank_"):
+                    with open(path, "wb") as f:
+                        f.write(b"PK\x03\x04 partial")
+                    die()
+                return write_durable(path, obj)
+
+            ckpt._write_durable = faulty_write_durable
+        elif phase == "meta":
+            fsync_dir = ckpt.fsync_dir
+
+            def faulty_fsync_dir(path):
+                fsync_dir(path)
+                if ours() and path.name.startswith(".step_"):
+                    die()
+
+            ckpt.fsync_dir = faulty_fsync_dir
+        elif phase == "rename":
+            write_pointer = ckpt.write_pointer
+
+            def faulty_write_pointer(directory, name):
+                if ours():
+                    die()
+                return write_pointer(directory, name)
+
+            ckpt.write_pointer = faulty_write_pointer
+        elif phase == "pointer":
+            replace = os.replace
+
+            def faulty_replace(src, dst, *args, **kwargs):
+                if ours() and os.path.basename(dst) == ckpt.LATEST:
+                    die()
+                return replace(src, dst, *args, **kwargs)
+
+            ckpt.os.replace = faulty_replace
+        elif phase == "prune":
+            rmtree = shutil.rmtree
+
+            def faulty_rmtree(path, *args, **kwargs):
+                if ours() and str(path).endswith(".deleting"):
+                    die()
+                return rmtree(path, *args, **kwargs)
+
+            ckpt.shutil.rmtree = faulty_rmtree
+        else:
+            raise SystemExit(f"unknown save phase {phase!r}")
+
+
+if __name__ == "__main__":
+    install(sys.argv[1])
+    sys.argv = ["trmoe.train", *sys.argv[2:]]
+    from trmoe.train.__main__ import main
+
+    main()

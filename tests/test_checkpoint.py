@@ -1,0 +1,168 @@
+"""The checkpoint store on its own: layout, pruning, verification, and torch.distributed.checkpoint with two
+real gloo ranks. (The end-to-end guarantees are in tests/test_resume.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import compose_config
+
+from trmoe.train.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    load_checkpoint,
+    read_pointer,
+    resolve_checkpoint,
+)
+from trmoe.train.loop import train
+
+
+def _model_and_optimizer(seed: int = 0, steps: int = 1):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    for _ in range(steps):
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module, oa, ob) -> None:
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb), ka
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    for index in sa:
+        for name in sa[index]:
+            assert torch.equal(sa[index][name], sb[index][name]), (index, name)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_save_load_round_trip_and_layout(tmp_path, fmt):
+    model, optimizer = _model_and_optimizer(steps=3)
+    store = CheckpointStore(tmp_path, keep_last=2, format=fmt)
+    store.save(3, model=model, optimizer=optimizer, local_state={"rng": 7}, meta={"tokens": 30})
+    info = store.verify(tmp_path / "step_00000003")
+    assert info.step == 3 and info.meta["tokens"] == 30 and info.meta["format"] == fmt
+    assert read_pointer(tmp_path) == "step_00000003"
+    assert set(info.meta["files"]) == {p.name for p in info.path.iterdir()} - {"meta.json"}
+    fresh, fresh_opt = _model_and_optimizer(seed=1, steps=1)
+    assert store.load(info, model=fresh, optimizer=fresh_opt) == {"rng": 7}
+    _assert_same(model, fresh, optimizer, fresh_opt)
+
+
+def test_keep_last_prunes_oldest_and_never_the_newest(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        store.save(step, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert [s for s, _ in store.step_dirs()] == [3, 4]
+    one = CheckpointStore(tmp_path, keep_last=1)
+    one.save(5, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert [s for s, _ in one.step_dirs()] == [5] and read_pointer(tmp_path) == "step_00000005"
+    every = CheckpointStore(tmp_path, keep_last=0)
+    every.save(6, model=model, optimizer=optimizer, local_state={}, meta={})
+    every.save(7, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert [s for s, _ in every.step_dirs()] == [5, 6, 7]
+
+
+def test_unusable_checkpoints_are_reported_and_skipped(tmp_path, caplog):
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep_last=0)
+    for step in (1, 2, 3):
+        store.save(step, model=model, optimizer=optimizer, local_state={}, meta={})
+    (tmp_path / "step_00000003" / "meta.json").write_text("{not json")
+    payload = tmp_path / "step_00000002" / "model_optim.pt"
+    payload.write_bytes(payload.read_bytes()[:-10])
+    with caplog.at_level("WARNING", logger="trmoe"):
+        assert store.newest_good().step == 1
+    assert "step_00000003 is unusable" in caplog.text and "no readable meta.json" in caplog.text
+    assert "step_00000002 is unusable" in caplog.text and "truncated" in caplog.text
+    # leftovers of interrupted saves are never read, and the next save removes them
+    (tmp_path / ".step_00000009.tmp").mkdir()
+    (tmp_path / ".step_00000001.deleting").mkdir()
+    store.save(4, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert not any(p.name.startswith(".step_") for p in tmp_path.iterdir())
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_dcp_format_run_resumes_bit_exact_and_equals_the_torch_format(tmp_path):
+    """checkpoint.format=dcp in one process (torch.distributed.checkpoint without a process group)."""
+    base = [
+        "data=random",
+        "model.vocab_size=512",
+        "trainer.micro_batch=4",
+        "trainer.seq_len=64",
+        "hardware=cpu",
+        "hardware.threads=1",
+        "run.progress=log",
+        "trainer.steps=4",
+        "checkpoint.every_steps=2",
+        "trainer.log_every=1",
+    ]
+    threads = torch.get_num_threads()
+    try:
+        train(compose_config(*base), tmp_path / "torch")
+        run_dir = tmp_path / "dcp"
+        train(compose_config(*base, "checkpoint.format=dcp"), run_dir)
+        assert (
+            json.loads((run_dir / "checkpoints" / "step_00000004" / "meta.json").read_text())["format"]
+            == "dcp"
+        )
+        shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+        train(compose_config(*base, "checkpoint.format=dcp"), run_dir)  # resumes from step 2 (DCP load)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = load_checkpoint(run_dir), load_checkpoint(tmp_path / "torch")
+    assert a["step"] == b["step"] == 4
+    for key in b["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    with open(run_dir / "metrics.csv") as fa, open(tmp_path / "torch" / "metrics.csv") as fb:
+        cut = lambda line: line.split(",")[:13]  # noqa: E731  (the loss columns, before tok_s)
+        assert [cut(x) for x in fa] == [cut(x) for x in fb]
+
+
+def _dcp_worker(rank: int, world: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        model, optimizer = _model_and_optimizer(steps=2)  # identical on both ranks (replicated, as under DDP)
+        store = CheckpointStore(Path(out) / "ckpt", keep_last=1, format="dcp", rank=rank, world_size=world)
+        for step in (1, 2):
+            store.save(
+                step, model=model, optimizer=optimizer, local_state={"rank": rank}, meta={"tokens": step}
+            )
+        info = store.verify(Path(out) / "ckpt" / "step_00000002")
+        fresh, fresh_opt = _model_and_optimizer(seed=rank + 10, steps=1)
+        local = store.load(info, model=fresh, optimizer=fresh_opt)
+        _assert_same(model, fresh, optimizer, fresh_opt)
+        torch.save({"local": local, "meta": info.meta}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
+    """Every rank calls save/load; each writes its own files, rank 0 the metadata, the rename, `latest`
+    and the pruning; each rank gets its own train state back."""
+    mp.spawn(_dcp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["local"] for r in results] == [{"rank": 0}, {"rank": 1}]
+    meta = results[0]["meta"]
+    assert meta["world_size"] == 2 and meta["step"] == 2
+    assert {"rank_00000.pt", "rank_00001.pt", ".metadata"} <= set(meta["files"])
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_00000002"]
+    assert read_pointer(tmp_path / "ckpt") == "step_00000002"

@@ -1,0 +1,373 @@
+"""Parameter matching, the experiment grids, sweeps with a failing job, and the sweep report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CONF_DIR, compose_config, run_cli
+from hydra import compose, initialize_config_module
+
+from trmoe.config.match import solve_match
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.errors import UserError
+from trmoe.model.transformer import parameter_counts
+from trmoe.report.compare import Pair, t975
+
+PILOT_TARGET = 99_487_680
+PILOT = ["model=100m", "model.gates=false", f"model.match_params={PILOT_TARGET}"]
+DENSE = ["model.num_experts=1", "routing.top_k=1", "model.routed_width=0"]
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+# Small enough that the 9-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
+TINY_RUN = [
+    "trainer.steps=2",
+    "trainer.micro_batch=2",
+    "trainer.seq_len=16",
+    "trainer.eval_batches=1",
+    "trainer.eval_every=0",
+    "trainer.log_every=1",
+]
+
+
+def _run_module(module: str, args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300):
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _grid(name: str):
+    """The composed primary config of an experiment, with its hydra node (sweeper params, callbacks)."""
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        return compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+
+
+# --- parameter matching ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arm", "field", "width"),
+    [
+        (["attention=gqa", *DENSE], "shared_width", 1648),  # dense GQA 8/2
+        (["attention=gqa", "model.routed_width=256"], "shared_width", 1392),  # TR-GQA, 4 x 64 routed
+        (["attention=mha", *DENSE], "shared_width", 1456),  # dense MHA 8/8
+        (["attention=mha", "model.routed_width=160"], "shared_width", 1296),  # TR-MHA, 4 x 40 routed
+    ],
+)
+def test_match_reproduces_the_reference_pilots_exactly(arm, field, width):
+    raw = compose_config(*PILOT, *arm)
+    cfg = to_config(raw)
+    assert getattr(cfg.model, field) == width
+    assert raw.model[field] == width  # written back: .hydra/config.yaml and run_config.json show it
+    solution = solve_match(cfg)
+    assert (solution.field, solution.width, solution.residual, solution.exact) == (field, width, 0, True)
+    assert parameter_counts(model_spec(cfg)).total == PILOT_TARGET == solution.total
+
+
+def test_match_reports_the_closest_width_and_its_residual():
+    # Gates add 2 scalars per layer: the 99,487,680 layout is then 20 parameters over, and says so.
+    cfg = to_config(compose_config(*PILOT, "model.gates=true", "model.routed_width=256"))
+    solution = solve_match(cfg)
+    assert (solution.width, solution.residual, solution.exact) == (1392, 20, False)
+    # A target between two multiples: the closer one wins; one step of 16 is 3 x 384 x 16 x 10 parameters.
+    step = 3 * 384 * 16 * 10
+    for offset, width in ((step // 2 - 1, 1648), (step // 2 + 1, 1664), (-(step // 2 - 1), 1648)):
+        cfg = to_config(compose_config(*PILOT, *DENSE, f"model.match_params={PILOT_TARGET + offset}"))
+        solution = solve_match(cfg)
+        assert solution.width == width and abs(solution.residual) <= step // 2
+        assert (
+            solution.total
+            == parameter_counts(model_spec(cfg)).total
+            == PILOT_TARGET + offset + solution.residual
+        )
+
+
+def test_match_routed_width_respects_the_number_of_experts():
+    # No shared expert: the routed width is solved on multiples of lcm(16, E) so each expert gets an integer.
+    cfg = to_config(compose_config(*PILOT, "model.shared_width=0", "model.match_field=routed_width"))
+    assert (cfg.model.shared_width, cfg.model.routed_width) == (0, 1648)
+    cfg = to_config(
+        compose_config(
+            *PILOT, "model.shared_width=0", "model.match_field=routed_width", "model.num_experts=3"
+        )
+    )
+    solution = solve_match(cfg)
+    assert (
+        solution.step == 48
+        and cfg.model.routed_width % 48 == 0
+        and abs(solution.residual) <= 3 * 384 * 24 * 10
+    )
+
+
+def test_match_errors_are_one_line_user_errors():
+    with pytest.raises(UserError, match=r"model.match_params=1000: below the smallest model"):
+        to_config(compose_config(*PILOT[:2], "model.match_params=1000"))
+    with pytest.raises(UserError, match=r"model.match_multiple=0"):
+        to_config(compose_config(*PILOT, "model.match_multiple=0"))
+    with pytest.raises(UserError, match=r"model.match_params=-5"):
+        to_config(compose_config(*PILOT[:2], "model.match_params=-5"))
+
+
+# --- the experiment grids ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name):
+    hc = _grid(name)
+    assert str(hc.hydra.mode) == "RunMode.MULTIRUN"  # `experiment=<name>` launches the whole grid
+    params = hc.hydra.sweeper.params
+    arms = params["arm"].split(",")
+    assert len(arms) >= 4
+    control = hc.hydra.callbacks.report.control
+    assert control.removeprefix("arm=") in arms
+    to_config(compose_config(f"experiment={name}"))  # the grid's base config resolves without an arm
+    if name.startswith("seeds"):
+        assert params["trainer.seed"] == "42,43,44"
+        return  # the arms are attention_matched's, checked there
+    target = hc.model.match_params
+    for arm in arms:
+        cfg = to_config(compose_config(f"experiment={name}", f"arm={arm}"))
+        solution = solve_match(cfg)
+        assert solution.exact and solution.total == target, (arm, solution)
+
+
+@pytest.mark.parametrize("name", ["routing_ablation", "attention_matched", "topk", "seeds"])
+def test_each_grid_has_a_smoke_variant_with_the_same_arms(name):
+    real, smoke = _grid(name), _grid(f"{name}_smoke")
+    assert dict(real.hydra.sweeper.params) == dict(smoke.hydra.sweeper.params)
+    assert real.hydra.callbacks.report.control == smoke.hydra.callbacks.report.control
+    assert smoke.data.source == "embedded" and smoke.hardware.device == "cpu"
+    assert smoke.trainer.steps <= 300 and smoke.model.hidden_size <= 64
+
+
+def test_attention_matched_grid_is_the_reference_layout():
+    widths = {}
+    for arm in _grid("attention_matched").hydra.sweeper.params["arm"].split(","):
+        cfg = to_config(compose_config("experiment=attention_matched", f"arm={arm}"))
+        widths[arm.split("/")[1]] = (
+            cfg.model.shared_width,
+            cfg.model.routed_width,
+            model_spec(cfg).num_kv_heads,
+        )
+    assert widths == {
+        "dense_gqa": (1648, 0, 2),
+        "tr_gqa": (1392, 256, 2),
+        "dense_mha": (1456, 0, 8),
+        "tr_mha": (1296, 160, 8),
+    }
+
+
+def test_match_cli_prints_every_arm_before_launching(tmp_path, monkeypatch, capsys):
+    result = _run_module("trmoe.match", ["experiment=attention_matched", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["match"]["width"], r["match"]["residual"], r["total"]) for r in rows] == [
+        (1648, 0, PILOT_TARGET),
+        (1392, 0, PILOT_TARGET),
+        (1456, 0, PILOT_TARGET),
+        (1296, 0, PILOT_TARGET),
+    ]
+    assert rows[1]["active"] < rows[1]["total"] and rows[0]["active"] == rows[0]["total"]
+    # Arms given on the command line, with a sweep over a group; the table names what differs.
+    from trmoe.match import main
+
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main([*PILOT, "attention=gqa,mha", "--arm", " ".join(DENSE), "--arm", "model.routed_width=256"]) == 0
+    )
+    out = capsys.readouterr().out
+    for width in (1648, 1392, 1456, 1200):  # dense and TR (4 x 64 routed) for GQA, then MHA
+        assert out.count(f"shared_width={width} ") == 1, out
+    assert "attention=mha model.routed_width=256 " in out and "common overrides: model=100m" in out
+    assert main([*PILOT, "routing.top_k=5"]) == 2
+    assert "error: config error: routing.top_k=5" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # nothing launched, nothing written
+
+
+# --- a real sweep and its report ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory) -> Path:
+    """routing_ablation_smoke through the CLI, every arm, with a tiny step budget."""
+    cwd = tmp_path_factory.mktemp("sweep")
+    result = run_cli(
+        ["-m", "experiment=routing_ablation_smoke", *TINY_RUN, "hydra.sweep.dir=grid"], cwd=cwd, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sweep report" in result.stderr
+    return cwd / "grid"
+
+
+def test_smoke_sweep_report_has_a_row_per_arm_pairs_checklist_and_plots(smoke_sweep):
+    arms = _grid("routing_ablation_smoke").hydra.sweeper.params["arm"].split(",")
+    md = (smoke_sweep / "report.md").read_text()
+    with open(smoke_sweep / "report.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["arm"] for r in rows) == sorted(f"arm={a}" for a in arms)  # one row per arm
+    assert all(r["status"] == "finished" for r in rows)
+    assert len({r["params_total"] for r in rows}) == 1 and rows[0]["params_total"] == "12924480"
+    assert all(r["match_residual"] == "0" for r in rows)
+    assert all(math.isfinite(float(r["final_eval_loss"])) for r in rows)
+    for arm in arms:
+        assert f"| arm={arm} |" in md
+    # Paired comparison: every arm against the grid's control, the dense arm.
+    assert "## Paired comparison with the control" in md and "Control arm: `arm=routing_ablation/dense`" in md
+    with open(smoke_sweep / "report_pairs.csv", newline="") as f:
+        pairs = list(csv.DictReader(f))
+    assert len(pairs) == len(arms) - 1 and all(p["n_seeds"] == "1" for p in pairs)
+    assert all(p["verdict"].startswith("one seed") for p in pairs)
+    # The checklist, every item, and no warning: the arms differ only by the swept key.
+    assert "## Comparability checklist" in md
+    items = [
+        "Tokenizer and vocabulary",
+        "Data, order and split",
+        "Token budget",
+        "Parameter count",
+        "Seed set",
+    ]
+    items += [
+        "Optimizer and schedule",
+        "Precision and hardware",
+        "Telemetry and compile",
+        "Evaluation checkpoints",
+    ]
+    for item in [*items, "Throughput interval"]:
+        assert f"| {item}" in md
+    warnings = md.split("## Warnings")[1].split("## Runs")[0]
+    assert "None: beyond the swept keys" in warnings, warnings
+    # PNGs: the grid overlay, throughput, paired differences, one per run.
+    plots = sorted(p.name for p in (smoke_sweep / "plots").glob("*.png"))
+    assert {"loss_vs_tokens.png", "tok_s.png", "paired_deltas.png"} <= set(plots)
+    assert len([p for p in plots if p.startswith("run_")]) == len(arms)
+    assert all((smoke_sweep / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+
+
+def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):
+    jobs = sorted((p for p in smoke_sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    assert len(jobs) == 9
+    for job in jobs:
+        status = json.loads((job / "status.json").read_text())
+        assert status["status"] == "finished" and math.isfinite(status["final_eval_loss"])
+        rc = json.loads((job / "run_config.json").read_text())
+        match = rc["param_match"]
+        assert (match["target"], match["residual"], match["exact"]) == (12_924_480, 0, True)
+        assert rc["config"]["model"][match["field"]] == match["width"]  # the width that was trained
+        assert rc["params"]["total"] == 12_924_480
+
+
+def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path):
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
+        "from trmoe.report.__main__ import main\n"
+        f"sys.exit(main([{str(smoke_sweep)!r}, '--out', {str(tmp_path)!r}, '--quiet']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    md = (tmp_path / "report.md").read_text()
+    assert "matplotlib is not installed" in md and not (tmp_path / "plots").exists()
+    with open(tmp_path / "report.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 9
+
+
+def _extra_dense_run(cwd: Path, name: str, *overrides: str) -> Path:
+    """One more run of the grid's dense arm, outside the sweep."""
+    result = run_cli(
+        ["experiment=routing_ablation_smoke", "arm=routing_ablation/dense", "hydra.mode=RUN", *TINY_RUN,
+         *overrides, f"hydra.run.dir={name}"],
+        cwd=cwd,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / name
+
+
+def _report_warnings(paths: list[Path], out: Path) -> str:
+    result = _run_module("trmoe.report", [*map(str, paths), "--out", str(out), "--no-plots"], out.parent)
+    assert result.returncode == 0, result.stderr
+    md = (out / "report.md").read_text()
+    return md.split("## Warnings")[1].split("## Runs")[0]
+
+
+def test_mismatched_seed_count_and_token_budget_raise_warnings(smoke_sweep, tmp_path):
+    extra_seed = _extra_dense_run(tmp_path, "seed43", "trainer.seed=43")
+    warnings = _report_warnings([smoke_sweep, extra_seed], tmp_path / "seeds")
+    assert "Seed set differs between arms" in warnings and "[42, 43]" in warnings, warnings
+    assert "Token budget" not in warnings
+
+    longer = _extra_dense_run(tmp_path, "steps3", "trainer.steps=3")
+    warnings = _report_warnings([smoke_sweep, longer], tmp_path / "budget")
+    assert "Token budget differs" in warnings and "`total_tokens`:" in warnings, warnings
+    assert "64 (" in warnings and "steps3)" in warnings
+    assert "launched with different overrides beyond the swept keys" in warnings
+    assert "`trainer.steps`" in warnings
+
+
+def test_failed_job_is_reported_and_does_not_stop_the_sweep(tmp_path):
+    result = run_cli(
+        ["-m", "routing.top_k=1,5,2", "data=random", "model.vocab_size=512", *TINY_RUN, "hardware=cpu",
+         "hydra.sweep.dir=sweep"],
+        cwd=tmp_path,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "sweep job 1 failed: config error: routing.top_k=5" in result.stderr
+    sweep = tmp_path / "sweep"
+    for job in ("0", "2"):  # the jobs after the failed one ran too
+        assert json.loads((sweep / job / "status.json").read_text())["status"] == "finished"
+    failed = json.loads((sweep / "1" / "status.json").read_text())
+    assert failed["status"] == "failed" and "routing.top_k=5" in failed["error"]
+    assert "routing.top_k=5" in failed["overrides"]
+    md = (sweep / "report.md").read_text()
+    assert "| failed: config error: routing.top_k=5: must be between 1 and model.num_experts=4 |" in md
+    assert "1 run(s) failed" in md.split("## Runs")[0]
+
+
+def test_a_crash_during_training_leaves_a_failed_status(tmp_path, monkeypatch):
+    import trmoe.train.loop as loop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("optimizer exploded\nsecond line")
+
+    monkeypatch.setattr(loop, "build_optimizer", broken)
+    cfg = compose_config("data=random", "model.vocab_size=512", "hardware=cpu", *TINY_RUN)
+    with pytest.raises(RuntimeError, match="optimizer exploded"):
+        loop.train(cfg, tmp_path / "r")
+    status = json.loads((tmp_path / "r" / "status.json").read_text())
+    assert status == {**status, "status": "failed", "error": "RuntimeError: optimizer exploded"}
+
+
+def test_paired_interval_is_the_student_t_interval():
+    assert t975(1) == 12.706 and t975(30) == 2.042 and abs(t975(60) - 2.000) < 2e-3
+    pair = Pair(arm=None, seeds=[1, 2, 3], deltas=[-0.019, -0.020, -0.021], arm_mean=None, control_mean=None)
+    low, high = pair.interval
+    half = 4.303 * 0.001 / math.sqrt(3)  # t(2) x sd / sqrt(n)
+    assert pair.mean == pytest.approx(-0.02) and (low, high) == pytest.approx((-0.02 - half, -0.02 + half))
+    assert pair.verdict == "lower than control"
+    wide = Pair(arm=None, seeds=[1, 2], deltas=[-0.01, 0.02], arm_mean=None, control_mean=None)
+    assert wide.verdict.startswith("within noise")
+
+
+def test_report_plots_expert_shares_when_telemetry_was_on(tmp_path):
+    from trmoe.report.build import build_report
+    from trmoe.train.loop import train
+
+    cfg = compose_config(
+        "data=random", "model.vocab_size=512", "hardware=cpu", "telemetry.moe=true", *TINY_RUN
+    )
+    train(cfg, tmp_path / "runs" / "telemetry")
+    rep = build_report([tmp_path / "runs"])
+    assert (tmp_path / "runs" / "telemetry" / "telemetry.csv").is_file()
+    shares = tmp_path / "runs" / "plots" / "shares_telemetry.png"
+    assert shares in rep.plots and shares.read_bytes()[:4] == b"\x89PNG"
+    assert "[shares_telemetry](plots/shares_telemetry.png)" in rep.markdown

@@ -1,0 +1,264 @@
+"""Optimizers: the Muon and StoSignSGD update rules, parameter groups, state save/restore, and identical
+per-parameter math under DDP (2 gloo ranks == one process with the whole batch)."""
+
+from __future__ import annotations
+
+import io
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import compose_config
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.model.transformer import TRMoETransformer
+from trmoe.train.loss import chunked_tied_ce
+from trmoe.train.muon import muon_direction, orthogonalize
+from trmoe.train.optim import GroupLRs, OptimizerSet, build_optimizer
+from trmoe.train.schedule import apply_lr
+from trmoe.train.stosignsgd import StoSignSGD
+from trmoe.train.telemetry import MoETelemetry
+
+CPU = torch.device("cpu")
+OPTIMIZERS = ("adamw", "muon_tr", "stosignsgd")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: one intra-op thread is faster, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(*overrides: str, seed: int = 0):
+    cfg = to_config(compose_config("data=random", "model.vocab_size=128", "hardware=cpu", *overrides))
+    torch.manual_seed(seed)
+    return cfg, TRMoETransformer(model_spec(cfg))
+
+
+def batches(n: int, rows: int = 4, seq: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, 128, (rows, seq), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+def train_steps(model, optimizer, data, first_step: int = 1):
+    for i, (x, y) in enumerate(data):
+        apply_lr(optimizer, 0.5 + 0.1 * (first_step + i))  # a moving LR: the groups' base_lr must survive
+        sums = chunked_tied_ce(model(x), model.head_weight, y)
+        (sums.total / sums.tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+# --- Muon ------------------------------------------------------------------------------------------------
+
+
+def test_newton_schulz_orthogonalises_each_slice():
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(3, 24, 8, generator=g)
+    o = orthogonalize(u, steps=5)
+    for e in range(3):
+        s = torch.linalg.svdvals(o[e])
+        assert s.min() > 0.5 and s.max() < 1.3, s  # all singular values pushed towards 1
+        uu, _, vh = torch.linalg.svd(u[e], full_matrices=False)
+        cos = (o[e] * (uu @ vh)).sum() / (o[e].norm() * (uu @ vh).norm())
+        assert cos > 0.95  # close to the exact polar factor U V^T
+
+
+def test_muon_direction_is_per_expert_and_per_half():
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(4, 32, 2 * 8, generator=g)  # [E, H, 2I] like routed w_in
+    o = muon_direction(u, 5, rms=0.2, split_gate_up=True)
+    assert o.shape == u.shape
+    # each expert slice is its own matrix: changing expert 2 leaves expert 0 alone
+    u2 = u.clone()
+    u2[2] *= torch.rand(32, 16, generator=g)
+    o2 = muon_direction(u2, 5, rms=0.2, split_gate_up=True)
+    assert torch.equal(o2[0], o[0]) and not torch.allclose(o2[2], o[2])
+    # gate and up halves are orthogonalised apart: changing the up half leaves the gate half alone ...
+    u3 = u.clone()
+    u3[:, :, 8:] *= 3.0 * torch.rand(4, 32, 8, generator=g)
+    o3 = muon_direction(u3, 5, rms=0.2, split_gate_up=True)
+    assert torch.equal(o3[..., :8], o[..., :8])
+    # ... which the fused orthogonalisation does not
+    fused, fused3 = (muon_direction(x, 5, rms=0.2, split_gate_up=False) for x in (u, u3))
+    assert not torch.allclose(fused3[..., :8], fused[..., :8])
+    # each half is semi-orthogonal, scaled to RMS ~0.2
+    half = o[0, :, :8] / (0.2 * math.sqrt(32))
+    assert torch.linalg.svdvals(half).min() > 0.5
+    assert 0.12 < float(o.pow(2).mean().sqrt()) < 0.26
+
+
+def groups_of(optimizer, name_of):
+    return {g["name"]: sorted(name_of[id(p)] for p in g["params"]) for g in optimizer.param_groups}
+
+
+@pytest.mark.parametrize("scope", ["experts", "experts_shared", "all"])
+def test_muon_scope_decides_which_matrices_get_muon(scope):
+    cfg, model = tiny("optimizer=muon_tr", f"optimizer.muon_scope={scope}")
+    opt = build_optimizer(model, cfg.optimizer, CPU)
+    assert isinstance(opt, OptimizerSet) and set(opt.optimizers) == {"muon", "adamw"}
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    on_muon = {name_of[id(p)] for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    routed = {n for n in name_of.values() if ".routed." in n}
+    shared = {n for n in name_of.values() if ".shared." in n}
+    attention = {n for n in name_of.values() if ".attn." in n and n.endswith(".weight") and "norm" not in n}
+    expected = routed | (shared if scope != "experts" else set()) | (attention if scope == "all" else set())
+    assert on_muon == expected
+    assert "embed.weight" not in on_muon
+    assert all(model.get_parameter(n).ndim >= 2 for n in on_muon)
+    # fused [gate | up] inputs are split, the others not
+    for g in opt.optimizers["muon"].param_groups:
+        assert g["split_gate_up"] == g["name"].endswith("_gate_up")
+        assert all(name_of[id(p)].endswith("w_in") == g["split_gate_up"] for p in g["params"])
+
+
+def test_muon_has_no_warmup_of_its_own():
+    """The first Muon step already moves by lr * update_rms (the reference ramped its own warmup on top of
+    the global one)."""
+    cfg, model = tiny("optimizer=muon_tr", "optimizer.lr=0.01", "optimizer.weight_decay=0")
+    opt = build_optimizer(model, cfg.optimizer, CPU)
+    w = model.blocks[0].ffn.routed.w_out
+    before = w.detach().clone()
+    train_steps(model, opt, batches(1))
+    lr = opt.optimizers["muon"].param_groups[0]["lr"]
+    rms = float((w.detach() - before).pow(2).mean().sqrt())
+    assert 0.6 < rms / (lr * 0.2) < 1.3
+
+
+# --- StoSignSGD ------------------------------------------------------------------------------------------
+
+
+def test_stosign_update_is_unbiased_and_one_step_per_coordinate():
+    n, lr = 200_000, 1e-3
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = StoSignSGD([p], lr=lr, beta=0.0, max_decay=1.0, seed=7)
+    p.grad = torch.ones(n)  # step 1: G = 1
+    opt.step()
+    before = p.detach().clone()
+    p.grad = torch.full((n,), 0.3)  # step 2: m = 0.3, G = 1, so E[sign] = 0.3
+    opt.step()
+    delta = p.detach() - before
+    assert torch.all(delta.abs() == lr)  # one bit per coordinate: every step is exactly +-lr
+    assert float(-delta.mean() / lr) == pytest.approx(0.3, abs=0.01)  # unbiased: E[u] = m / G
+
+
+def test_stosign_noise_is_a_function_of_seed_and_step():
+    def run(seed):
+        torch.manual_seed(0)  # the global RNG must not matter
+        p = torch.nn.Parameter(torch.zeros(1000))
+        opt = StoSignSGD([p], lr=1.0, beta=0.0, seed=seed)
+        for scale in (1.0, 0.2):
+            p.grad = torch.full((1000,), scale)
+            opt.step()
+        return p.detach()
+
+    assert torch.equal(run(3), run(3))
+    assert not torch.equal(run(3), run(4))
+
+
+# --- every optimizer -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dict_resume_continues_exactly(name):
+    data = batches(4, rows=2, seq=8)
+    cfg, model = tiny(f"optimizer={name}")
+    opt = build_optimizer(model, cfg.optimizer, CPU, seed=3)
+    train_steps(model, opt, data[:2])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    train_steps(model, opt, data[2:], first_step=3)
+
+    cfg, fresh = tiny(f"optimizer={name}", seed=123)  # other weights, other noise seed: all from the state
+    fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU, seed=99)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optimizer"])
+    train_steps(fresh, fresh_opt, data[2:], first_step=3)
+    for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_group_lrs_follow_their_scales(name):
+    cfg, model = tiny(f"optimizer={name}", "optimizer.expert_lr_scale=2", "optimizer.shared_lr_scale=0.5")
+    opt = build_optimizer(model, cfg.optimizer, CPU)
+    apply_lr(opt, 0.5)
+    lrs = GroupLRs(model, opt).row()
+    assert lrs == pytest.approx({"lr": 0.5e-3, "lr_expert": 1e-3, "lr_shared": 0.25e-3})
+    assert len({g["name"] for g in opt.param_groups}) == len(opt.param_groups)
+
+
+# --- DDP -------------------------------------------------------------------------------------------------
+
+
+def _reference(name: str, data, steps: int):
+    cfg, model = tiny(f"optimizer={name}", "telemetry.moe=true")
+    opt = build_optimizer(model, cfg.optimizer, CPU, seed=5)
+    tel = MoETelemetry(model, CPU)
+    grad_sq = None
+    for x, y in data[:steps]:
+        sums = chunked_tied_ce(model(x), model.head_weight, y)
+        (sums.total / sums.tokens).backward()
+        grad_sq = tel.grad_norms()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}, grad_sq
+
+
+def _ddp_worker(rank: int, world: int, data, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    # a file rendezvous: no TCP port to collide with other jobs on the machine
+    store = f"file://{out}/rendezvous"
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        for name in OPTIMIZERS:
+            cfg, model = tiny(f"optimizer={name}", "telemetry.moe=true")
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = build_optimizer(model, cfg.optimizer, CPU, seed=5)
+            tel = MoETelemetry(model, CPU)
+            rows = data[0][0].shape[0] // world
+            for x, y in data[:steps]:
+                x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+                with tel.recording():
+                    hidden = ddp(x)
+                sums = chunked_tied_ce(hidden, model.head_weight, y)
+                (sums.total / sums.tokens).backward()  # DDP averages: equal token counts -> the global mean
+                grad_sq = tel.grad_norms()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            _, layer_rows = tel.collect(steps, grad_sq)  # all-reduces the counters
+            result = {"state": model.state_dict(), "grad_sq": grad_sq, "rows": layer_rows}
+            torch.save(result, f"{out}/{name}_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
+    """Every optimizer under DDP (2 gloo ranks, half the batch each) == one process with the whole batch;
+    and the telemetry's grad norms and token counters are those of the whole batch."""
+    data, steps = batches(2, rows=4), 2
+    mp.spawn(_ddp_worker, args=(2, data, steps, str(tmp_path)), nprocs=2, join=True)
+    for name in OPTIMIZERS:
+        ref_state, ref_grad_sq = _reference(name, data, steps)
+        ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+        for key, ref in ref_state.items():
+            a, b = ranks[0]["state"][key], ranks[1]["state"][key]
+            assert torch.equal(a, b), (name, key)  # no rank drifts: same averaged gradient, math, noise
+            if name == "stosignsgd":  # a sign may flip where m + G n is within rounding of 0: allow a few
+                assert (a - ref).abs().gt(1e-6).float().mean() < 1e-3, key
+            else:  # Adam divides by sqrt(v): near-zero gradients carry rounding further
+                torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-5)
+        # telemetry grad norms come from the averaged gradient: one process's, not sqrt(world) larger
+        torch.testing.assert_close(ranks[0]["grad_sq"], ref_grad_sq, rtol=1e-4, atol=1e-10)
+        # token counters are summed over the ranks: the whole batch, K route slots per token, per layer
+        assert [r["route_slots"] for r in ranks[0]["rows"]] == [steps * 4 * 16 * 2] * 2

@@ -1,0 +1,207 @@
+"""The prepare tool: text / JSONL / Parquet -> a train/eval shard pair with the real o200k tokenizer, split by
+the stable document rule, byte-identical on re-runs, and nothing written on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trmoe.data.corpus import is_eval_document
+from trmoe.data.prepare import prepare
+from trmoe.data.shards import BIN_NAME, INDEX_NAME, open_shard
+from trmoe.data.tokenizer import EOS_ID, load_o200k, tokenizer_fingerprint
+from trmoe.errors import UserError
+
+WORDS = "routing expert token shard window gradient cosine layer hash bucket prime table vocab".split()
+
+
+def documents(n: int, seed: int = 0) -> list[str]:
+    """n distinct multi-line documents with non-ASCII text."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        body = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 40))))
+        docs.append(f"Document {i} — naïve café {i * 7}:\n{body}.\nLine two of {i}.")
+    return docs
+
+
+def expected_ids(texts: list[str]) -> list[int]:
+    enc = load_o200k()
+    out: list[int] = []
+    for text in texts:
+        out += enc.encode_ordinary(text) + [EOS_ID]
+    return out
+
+
+def decode_documents(tokens: np.ndarray) -> list[str]:
+    enc = load_o200k()
+    ends = np.flatnonzero(np.asarray(tokens) == EOS_ID)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [enc.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+
+
+def run_prepare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trmoe.data.prepare", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_round_trip_split_rule_and_disjointness(tmp_path):
+    docs = documents(120)
+    (tmp_path / "corpus.txt").write_text("\ufeff" + "\n\n \n".join(docs) + "\n")
+    summary = prepare(str(tmp_path / "corpus.txt"), tmp_path / "out", eval_fraction=0.2, split_seed=3)
+    train, held_out = open_shard(tmp_path / "out" / "train"), open_shard(tmp_path / "out" / "eval")
+    want_eval = [d for d in docs if is_eval_document("", d, 0.2, 3)]
+    want_train = [d for d in docs if not is_eval_document("", d, 0.2, 3)]
+    assert 0 < len(want_eval) < len(docs)
+    # prepare -> load -> exactly the tokens of each split's documents, in input order, EOS after each
+    assert train.tokens.tolist() == expected_ids(want_train)
+    assert held_out.tokens.tolist() == expected_ids(want_eval)
+    assert decode_documents(train.tokens) == want_train and decode_documents(held_out.tokens) == want_eval
+    assert not set(decode_documents(train.tokens)) & set(decode_documents(held_out.tokens))
+    for shard, part, texts in ((train, "train", want_train), (held_out, "eval", want_eval)):
+        index = shard.index
+        assert index["partition"] == part and index["documents"] == len(texts)
+        assert index["text_bytes"] == sum(len(t.encode()) for t in texts)
+        assert index["dtype"] == "<u4" and index["vocab_size"] == 200_019 and index["eos_id"] == EOS_ID
+        assert index["tokenizer"] == "o200k_base" and index["tokenizer_sha256"] == tokenizer_fingerprint()
+        assert index["source"]["inputs"][0]["path"] == "corpus.txt"
+        assert summary["partitions"][part]["sha256"] == index["sha256"]
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text())["partitions"]["eval"][
+        "documents"
+    ] == len(want_eval)
+
+
+def test_reruns_are_byte_identical_whatever_the_workers(tmp_path):
+    docs = documents(300, seed=1)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("\n\n".join(docs[:100]))
+    (src / "b.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[100:200]))
+    )
+    pq.write_table(pa.table({"text": docs[200:]}), src / "c.parquet", row_group_size=30)
+    (src / "notes.md").write_text("not an input")
+    prepare(str(src), tmp_path / "inline", eval_fraction=0.1, workers=0)
+    prepare(str(src), tmp_path / "pool", eval_fraction=0.1, workers=2)
+    prepare(str(src), tmp_path / "again", eval_fraction=0.1, workers=0)
+    for part in ("train", "eval"):
+        for name in (BIN_NAME, INDEX_NAME):
+            a = (tmp_path / "inline" / part / name).read_bytes()
+            assert (
+                a
+                == (tmp_path / "pool" / part / name).read_bytes()
+                == (tmp_path / "again" / part / name).read_bytes()
+            )
+    assert (tmp_path / "inline" / "dataset.json").read_bytes() == (
+        tmp_path / "pool" / "dataset.json"
+    ).read_bytes()
+    both = decode_documents(open_shard(tmp_path / "inline" / "train").tokens)
+    both += decode_documents(open_shard(tmp_path / "inline" / "eval").tokens)
+    assert sorted(both) == sorted(docs)  # every document of the three formats, nothing else
+    inputs = json.loads((tmp_path / "inline" / "train" / INDEX_NAME).read_text())["source"]["inputs"]
+    assert [i["path"] for i in inputs] == ["a.txt", "b.jsonl", "c.parquet"]
+
+
+def test_glob_input_and_separator(tmp_path):
+    (tmp_path / "x1.txt").write_text("alpha one@@beta two@@ @@gamma three")
+    (tmp_path / "x2.txt").write_text("delta four@@epsilon five")
+    prepare(str(tmp_path / "x*.txt"), tmp_path / "out", separator="@@", eval_fraction=0.5, split_seed=0)
+    docs = decode_documents(open_shard(tmp_path / "out" / "train").tokens)
+    docs += decode_documents(open_shard(tmp_path / "out" / "eval").tokens)
+    assert sorted(docs) == sorted(["alpha one", "beta two", "gamma three", "delta four", "epsilon five"])
+
+
+def _no_output(out: Path) -> None:
+    assert not out.exists(), sorted(str(p) for p in out.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "name,content,expected",
+    [
+        ("empty.txt", b"", "contains no documents"),
+        ("blank.txt", b"  \n\n\t\n", "contains no documents"),
+        (
+            "latin1.txt",
+            b"good first document\n\ncaf\xe9 au lait",
+            "not valid UTF-8 (byte 0xe9 at byte offset 24",
+        ),
+        ("bad.jsonl", b'{"text": "fine"}\n{"text": broken\n', "line 2 is not valid JSON"),
+        ("field.jsonl", b'{"body": "no text field"}\n', "line 1 has no field 'text'"),
+        ("bad.parquet", b"PAR1 this is not parquet", "unreadable"),
+    ],
+)
+def test_bad_inputs_name_the_file_and_write_nothing(tmp_path, name, content, expected):
+    good = tmp_path / "in" / "a_good.txt"
+    good.parent.mkdir()
+    good.write_text("\n\n".join(documents(20)))
+    bad = tmp_path / "in" / name
+    bad.write_bytes(content)
+    before = {p: p.read_bytes() for p in (good, bad)}
+    with pytest.raises(UserError) as err:
+        prepare(str(tmp_path / "in"), tmp_path / "out", workers=0)
+    assert str(bad) in str(err.value) and expected in str(err.value)
+    _no_output(tmp_path / "out")
+    assert {p: p.read_bytes() for p in (good, bad)} == before  # inputs untouched
+
+
+def test_parquet_without_the_text_field(tmp_path):
+    pq.write_table(pa.table({"content": documents(20)}), tmp_path / "d.parquet")
+    with pytest.raises(UserError, match=r"d\.parquet: no column 'text' \(--text-field\); allowed: content"):
+        prepare(str(tmp_path / "d.parquet"), tmp_path / "out")
+    _no_output(tmp_path / "out")
+    prepare(str(tmp_path / "d.parquet"), tmp_path / "out", text_field="content", eval_fraction=0.3)
+    assert (
+        open_shard(tmp_path / "out" / "train").index["documents"]
+        + open_shard(tmp_path / "out" / "eval").index["documents"]
+        == 20
+    )
+
+
+def test_one_split_empty_and_existing_output(tmp_path):
+    (tmp_path / "one.txt").write_text("just one document")
+    with pytest.raises(UserError, match="none of the 1 documents into"):
+        prepare(str(tmp_path / "one.txt"), tmp_path / "out")
+    _no_output(tmp_path / "out")
+    (tmp_path / "two.txt").write_text("\n\n".join(documents(40)))
+    prepare(str(tmp_path / "two.txt"), tmp_path / "out", eval_fraction=0.3)
+    before = (tmp_path / "out" / "train" / BIN_NAME).read_bytes()
+    with pytest.raises(UserError, match="already holds a prepared dataset"):
+        prepare(str(tmp_path / "two.txt"), tmp_path / "out", eval_fraction=0.5)
+    assert (tmp_path / "out" / "train" / BIN_NAME).read_bytes() == before
+
+
+def test_cli_prepare_verify_and_errors(tmp_path):
+    (tmp_path / "c.txt").write_text("\n\n".join(documents(50)))
+    ok = run_prepare(
+        ["c.txt", "--out", "ds", "--eval-fraction", "0.2", "--workers", "0", "--progress", "log"], tmp_path
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "train" in ok.stdout and "data.path=" in ok.stdout
+    verified = run_prepare(["verify", "ds"], tmp_path)
+    assert verified.returncode == 0, verified.stderr
+    assert verified.stdout.count("ok ") == 2
+    data = bytearray((tmp_path / "ds" / "eval" / BIN_NAME).read_bytes())
+    data[-1] ^= 0xFF
+    (tmp_path / "ds" / "eval" / BIN_NAME).write_bytes(bytes(data))
+    corrupt = run_prepare(["verify", "ds"], tmp_path)
+    assert corrupt.returncode == 2 and "does not match the index" in corrupt.stderr
+    assert len(corrupt.stderr.strip().splitlines()) == 1
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    bad = run_prepare(["bad.txt", "--out", "bad_out"], tmp_path)
+    assert bad.returncode == 2 and str(tmp_path / "bad.txt") in bad.stderr and "UTF-8" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    _no_output(tmp_path / "bad_out")
+    assert sorted(os.listdir(tmp_path)) == ["bad.txt", "c.txt", "ds"]

@@ -1,0 +1,664 @@
+"""Resume you can trust (docs/reliability.md): kill -9 anywhere -> bit-exact resume; SIGUSR2/SIGTERM -> a
+clean save and the requeue exit status; the resume config check; run directories never overwritten.
+
+The killed runs go through the real app in subprocesses (tests/resume_driver.py = `python -m trmoe.train`
+plus one deterministic fault such as SIGKILL half-way through a checkpoint write); they run concurrently,
+and each is resumed in-process and compared with one uninterrupted baseline: final weights, optimizer
+state and every metrics.csv column but tok_s and elapsed_s must be identical."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_config, run_cli
+
+from trmoe.errors import RunFailed, UserError
+from trmoe.train.checkpoint import CheckpointStore, load_checkpoint, read_pointer
+from trmoe.train.loop import train
+from trmoe.train.resume import compare, critical_hash, is_volatile, training_view
+
+DRIVER = Path(__file__).with_name("resume_driver.py")
+BASE = [
+    "data=random",
+    "model.vocab_size=512",
+    "trainer.micro_batch=4",
+    "trainer.seq_len=64",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=3",
+    "trainer.eval_batches=2",
+    "hardware=cpu",
+    "hardware.threads=1",  # the same thread count in every process: CPU results are then bit-identical
+    "run.progress=log",
+    "run.name=r",
+    "trainer.steps=20",
+    "trainer.log_every=3",  # rows at 1, 3, 5, 6, 9, ...: windows straddle checkpoints (every 4)
+    "trainer.eval_every=5",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=2",
+]
+TIMING_COLUMNS = ("tok_s", "elapsed_s")
+
+# (fault injected by tests/resume_driver.py, what the rerun must do: "restart" or the checkpoint step)
+KILLS = [
+    ("step:1:forward", "restart"),  # before any checkpoint: the same run starts again from step 0
+    ("step:3:after", "restart"),
+    ("save:4:payload", "restart"),  # the first checkpoint half-written
+    ("step:6:forward", 4),
+    ("step:10:after", 8),  # rows 9 and 10 of the killed attempt are dropped and rewritten
+    ("save:8:rank", 4),
+    ("save:8:meta", 4),  # meta.json written, directory not renamed: not a checkpoint
+    ("save:12:rename", 12),  # complete but `latest` not updated yet: still the newest checkpoint
+    ("save:12:pointer", 12),
+    ("save:16:prune", 16),  # killed while deleting step 8
+    ("eval:15", 12),
+    ("step:20:forward", 16),
+    ("save:20:payload", 16),  # the final checkpoint half-written
+]
+SIGNALS = [("signal:7:USR2", signal.SIGUSR2, 7), ("signal:9:TERM", signal.SIGTERM, 9)]
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _drive(fault: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(DRIVER), fault, *BASE, *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _train_in_process(run_dir: Path, *overrides: str) -> float:
+    threads = torch.get_num_threads()
+    try:
+        return train(compose_config(*BASE, *overrides), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_latest_sane(run_dir: Path) -> None:
+    """`latest` is absent or names a checkpoint that verifies (size and CRC32 of every file)."""
+    directory = run_dir / "checkpoints"
+    name = read_pointer(directory)
+    if name is not None:
+        CheckpointStore(directory).verify(directory / name)
+
+
+def assert_same_run(run_dir: Path, baseline: Path) -> None:
+    a, b = load_checkpoint(run_dir), load_checkpoint(baseline)
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for name, value in state_a[index].items():
+            assert torch.equal(value, state_b[index][name]), (index, name)
+    rows_a, rows_b = _rows(run_dir), _rows(baseline)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for column in ra:
+            if column not in TIMING_COLUMNS:
+                assert ra[column] == rb[column], (ra["step"], column)
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("baseline") / "r"
+    _train_in_process(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every driver run of this module, concurrently (each is mostly interpreter start-up)."""
+    root = tmp_path_factory.mktemp("faults")
+    jobs = [(fault, ()) for fault, _ in KILLS] + [(fault, ()) for fault, _, _ in SIGNALS]
+    jobs.append(("nan:5:100", ("guard.max_skips=3",)))
+
+    def run(job):
+        fault, extra = job
+        cwd = root / fault.replace(":", "_")
+        return fault, (_drive(fault, cwd, *extra), cwd / "runs" / "r")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(run, jobs))
+
+
+@pytest.mark.parametrize("fault,expected", KILLS, ids=[k for k, _ in KILLS])
+def test_kill_9_anywhere_then_resume_is_bit_exact(fault, expected, faulted, baseline):
+    proc, run_dir = faulted[fault]
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert_latest_sane(run_dir)
+    before = (run_dir / "train.log").read_text()
+    _train_in_process(run_dir)
+    log = (run_dir / "train.log").read_text()[len(before) :]
+    if expected == "restart":
+        assert "=== restart from step 0" in log
+    else:
+        assert f"=== resume from step {expected} " in log
+    assert_same_run(run_dir, baseline)
+    assert_latest_sane(run_dir)
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert [r["mode"] for r in rc["resumes"]] == ["restart" if expected == "restart" else "resume"]
+    assert rc["force_resumed"] is False
+
+
+@pytest.mark.parametrize("fault,signum,step", SIGNALS, ids=[s for s, _, _ in SIGNALS])
+def test_stop_signal_saves_at_the_step_boundary_and_exits_for_requeue(fault, signum, step, faulted, baseline):
+    proc, run_dir = faulted[fault]
+    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
+    assert f"stopped at step {step} on {signal.Signals(signum).name}" in proc.stderr
+    assert read_pointer(run_dir / "checkpoints") == f"step_{step:08d}"
+    assert_latest_sane(run_dir)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+    assert int(_rows(run_dir)[-1]["step"]) <= step
+    _train_in_process(run_dir)
+    assert_same_run(run_dir, baseline)
+
+
+def test_nonfinite_steps_stop_the_run_with_exit_3_and_a_good_checkpoint(faulted):
+    """NaN from step 5 on: steps 5, 6, 7 are skipped, then guard.max_skips=3 stops the run (exit 3) with a
+    checkpoint at step 7 whose weights and optimizer state are those after step 4."""
+    proc, run_dir = faulted["nan:5:100"]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "stopped at step 7: 3 consecutive steps had a non-finite loss" in proc.stderr
+    last = load_checkpoint(run_dir)
+    assert last["step"] == 7
+    assert _rows(run_dir)[-1]["step"] == "7" and _rows(run_dir)[-1]["skipped_steps"] == "3"
+    good = load_checkpoint(run_dir / "checkpoints" / "step_00000004")
+    for key in good["model"]:
+        assert torch.equal(last["model"][key], good["model"][key]), key
+    for index, state in good["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(last["optimizer"]["state"][index][name], value)
+
+
+def test_kill_9_twice_then_resume_is_bit_exact(tmp_path, baseline):
+    first = _drive("step:6:forward", tmp_path)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    second = _drive("save:12:meta", tmp_path)  # the resumed attempt dies too, inside a checkpoint write
+    assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "r"
+    assert_latest_sane(run_dir)
+    _train_in_process(run_dir)
+    assert_same_run(run_dir, baseline)
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert [r["from_step"] for r in rc["resumes"]] == [4, 8]
+
+
+@pytest.fixture(scope="module")
+def baseline_every_row(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("baseline_every_row") / "r"
+    _train_in_process(run_dir, "trainer.log_every=1")
+    return run_dir
+
+
+def _wait_for_rows(metrics_glob, cwd: Path, rows: int, proc: subprocess.Popen) -> Path | None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        for metrics in cwd.glob(metrics_glob):
+            if metrics.read_text().count("\n") >= rows + 1:  # + the header
+                return metrics
+        time.sleep(0.005)
+    return None
+
+
+def test_kill_9_from_outside_at_a_random_moment(tmp_path, baseline_every_row):
+    """The plain CLI killed by another process at whatever instant it has reached (not chosen)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trmoe.train", *BASE, "trainer.log_every=1"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_rows("runs/r/metrics.csv", tmp_path, 9, proc)  # step 0 + 8 steps
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "finished before the kill: " + proc.stderr.read()[-2000:]
+    run_dir = tmp_path / "runs" / "r"
+    assert_latest_sane(run_dir)
+    _train_in_process(run_dir, "trainer.log_every=1")
+    assert_same_run(run_dir, baseline_every_row)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids = (task / "children").read_text().split()
+        children += [int(k) for k in kids]
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
+    """hydra-submitit-launcher (local executor, a real submitit job): SIGUSR2 to the job's process ->
+    trmoe saves at the step boundary and hands the signal to submitit's handler, which pickles the job
+    again and requeues it (the local executor reruns it on exit code 144, as SLURM does after
+    `scontrol requeue`); the rerun resumes from the checkpoint. One job directory, every step once, and
+    the result of the uninterrupted run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [*BASE, "trainer.log_every=1", "checkpoint.every_steps=1000"]  # only the signal saves mid-run
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trmoe.train", "--multirun", "hydra/launcher=submitit_local", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        metrics = _wait_for_rows("multirun/*/*/0/metrics.csv", tmp_path, 6, proc)
+        assert metrics is not None, proc.communicate()[0][-3000:]
+        jobs = [
+            pid
+            for pid in _descendants(proc.pid)
+            if "submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+        ]
+        assert len(jobs) == 1, jobs
+        os.kill(jobs[0], signal.SIGUSR2)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    job_dirs = [p.parent for p in tmp_path.glob("multirun/*/*/*/run_config.json")]
+    assert job_dirs == [metrics.parent]  # the requeued job found its own directory again
+    run_dir = metrics.parent
+    logs = "".join(p.read_text() for p in (run_dir.parent / ".submitit").rglob("*_log.*"))
+    assert "Requeued job" in logs and "Caught signal SIGUSR2" in logs
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert [r["mode"] for r in rc["resumes"]] == ["resume"] and rc["resumes"][0]["from_step"] >= 6
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert_same_run(run_dir, baseline_every_row)
+
+
+# ------------------------------------------------------------------------- resume config comparison
+
+SMALL = ["trainer.steps=4", "checkpoint.every_steps=2", "trainer.log_every=1", "trainer.eval_every=2"]
+
+
+def _tree_digest(path: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("small") / "r"
+    _train_in_process(run_dir, *SMALL)
+    return run_dir
+
+
+MISMATCHES = [
+    (["model.hidden_size=32"], "model.hidden_size"),
+    (["routing=multi_hash"], "routing.strategy"),
+    (["attention=mha"], "attention.kind"),
+    (["optimizer.lr=1e-2"], "optimizer.lr"),
+    (["optimizer.beta2=0.99"], "optimizer.beta2"),
+    (["optimizer=adamw", "optimizer.weight_decay=0.0"], "optimizer.weight_decay"),
+    (["data.order=sequential"], "data.order"),
+    (["trainer.seed=7"], "trainer.seed"),
+    (["trainer.micro_batch=8"], "derived.global_batch_tokens"),
+    (["trainer.seq_len=32"], "trainer.seq_len"),
+    (["loss.z_loss=1e-4"], "loss.z_loss"),
+    (["loss.label_smoothing=0.1"], "loss.label_smoothing"),
+    (["trainer.grad_clip=0.5"], "trainer.grad_clip"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", MISMATCHES, ids=[k for _, k in MISMATCHES])
+def test_training_critical_change_is_refused_with_a_diff_before_any_write(small_run, overrides, key):
+    before = _tree_digest(small_run)
+    with pytest.raises(UserError, match="resume config mismatch") as err:
+        _train_in_process(small_run, *SMALL, *overrides)
+    message = str(err.value)
+    line = next(line for line in message.splitlines() if line.strip().startswith(key + " "))
+    assert " -> " in line
+    assert "trainer.force_resume=true" in message
+    assert _tree_digest(small_run) == before
+
+
+def test_precision_and_world_size_classes():
+    """What cannot change on this CPU (the effective precision, the world size) is checked on the views."""
+    old = training_view({"trainer": {"micro_batch": 4}}, {"precision": "fp32", "world_size": 1}, {"sha": "a"})
+    new = training_view({"trainer": {"micro_batch": 2}}, {"precision": "bf16", "world_size": 2}, {"sha": "a"})
+    diff = compare(old, new)
+    assert set(diff.critical) == {"derived.precision"}
+    assert set(diff.volatile) == {"derived.world_size", "trainer.micro_batch"}
+    assert "fp32" in diff.render() and "bf16" in diff.render()
+    changed_data = training_view({}, None, {"sha": "b"})
+    assert set(compare(old, changed_data, data_only=True).critical) == {"data_info.sha"}
+
+
+def test_new_keys_are_training_critical_unless_listed_volatile():
+    assert not is_volatile("optimizer.some_new_knob") and not is_volatile("brand_new_section.x")
+    assert is_volatile("trainer.steps") and is_volatile("run.name") and is_volatile("checkpoint.every_steps")
+    diff = compare({"model.a": 1}, {"model.a": 1, "model.new_key": 3})
+    assert diff.critical == {"model.new_key": ("<absent>", 3)}
+    a = {"model.a": 1, "trainer.log_every": 1}
+    assert critical_hash(a) == critical_hash({**a, "trainer.log_every": 5})
+    assert critical_hash(a) != critical_hash({**a, "model.a": 2})
+
+
+def test_mismatch_exits_2_from_the_cli(small_run, tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.parent.mkdir()
+    os.symlink(small_run, run_dir)
+    before = _tree_digest(small_run)
+    result = run_cli([*BASE, *SMALL, "optimizer.lr=1e-2"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "optimizer.lr" in result.stderr and "0.003 -> 0.01" in result.stderr
+    assert _tree_digest(small_run) == before
+
+
+def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path):
+    """Cadences, the run name and how the global batch is split may change; trainer.steps too when the
+    schedules' past stays the same. A changed horizon that would bend the past LR is refused."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match="schedules: lr_mult at step 4 would change"):
+        _train_in_process(run_dir, *SMALL, "trainer.steps=8")  # the cosine horizon moves: refused
+    assert _tree_digest(run_dir) == before
+    (run_dir / "checkpoints" / "step_00000004").rename(run_dir / "checkpoints" / "gone")
+    _train_in_process(
+        run_dir,
+        *SMALL,
+        "trainer.log_every=2",
+        "trainer.eval_every=1",
+        "checkpoint.every_steps=1",
+        "trainer.micro_batch=2",
+        "trainer.grad_accum=2",
+        "run.name=renamed",
+    )
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    changes = rc["resumes"][-1]["volatile_changes"]
+    assert changes["trainer.micro_batch"] == [4, 2] and changes["trainer.log_every"] == [1, 2]
+    assert rc["resumes"][-1]["forced"] == {} and load_checkpoint(run_dir)["step"] == 4
+
+
+def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match="cannot change the model's tensors"):  # not even with force
+        _train_in_process(run_dir, *SMALL, "model.shared_width=128", "trainer.force_resume=true")
+    assert _tree_digest(run_dir) == before
+    _train_in_process(
+        run_dir, *SMALL, "trainer.steps=6", "optimizer.decay_steps=4", "trainer.force_resume=true"
+    )
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert rc["force_resumed"] is True
+    forced = rc["resumes"][-1]["forced"]
+    assert forced["optimizer.decay_steps"] == [None, 4]
+    assert load_checkpoint(run_dir)["step"] == 6
+    assert [int(r["step"]) for r in _rows(run_dir)] == [0, 1, 2, 3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------------------ the run directory
+
+
+def test_run_directory_is_never_overwritten_without_run_overwrite(small_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match="already holds a run"):
+        _train_in_process(run_dir, *SMALL, "trainer.resume=never")
+    # a different experiment in a directory without a checkpoint is refused too
+    shutil.rmtree(run_dir / "checkpoints")
+    with pytest.raises(UserError, match="holds a different run and no complete checkpoint"):
+        _train_in_process(run_dir, *SMALL, "trainer.seed=3")
+    with pytest.raises(UserError, match="already holds a run"):
+        _train_in_process(run_dir, *SMALL, "trainer.seed=3", "trainer.resume=never")
+    assert {k: v for k, v in _tree_digest(run_dir).items() if not k.startswith("checkpoints")} == {
+        k: v for k, v in before.items() if not k.startswith("checkpoints")
+    }
+    # only resume=never with run.overwrite=true replaces it
+    _train_in_process(run_dir, *SMALL, "trainer.seed=3", "trainer.resume=never", "run.overwrite=true")
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert rc["config"]["trainer"]["seed"] == 3 and rc["resumes"] == []
+    assert [int(r["step"]) for r in _rows(run_dir)] == [0, 1, 2, 3, 4]
+
+
+def test_resume_from_a_path_continues_another_runs_checkpoint(small_run, tmp_path):
+    """trainer.resume=<checkpoint> into a new run directory: metrics up to the checkpoint are carried over
+    and the result equals the uninterrupted run."""
+    ckpt = small_run / "checkpoints" / "step_00000002"
+    new = tmp_path / "fork"
+    _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
+    assert_same_run(new, small_run)
+    rc = json.loads((new / "run_config.json").read_text())
+    assert rc["resumes"][-1]["checkpoint"] == str(ckpt.resolve())
+    with pytest.raises(UserError, match="already holds a run"):
+        _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
+    with pytest.raises(UserError, match="no such|holds no checkpoint"):
+        _train_in_process(tmp_path / "x", *SMALL, f"trainer.resume={tmp_path / 'nowhere'}")
+
+
+def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(small_run, tmp_path, caplog):
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    payload = run_dir / "checkpoints" / "step_00000004" / "model_optim.pt"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern, same size: only the CRC can tell
+    payload.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="trmoe"):
+        _train_in_process(run_dir, *SMALL)
+    assert "step_00000004 is unusable" in caplog.text and "CRC32 mismatch" in caplog.text
+    assert (run_dir / "checkpoints" / "discarded_step_00000004").is_dir()
+    assert_same_run(run_dir, small_run)
+
+    truncated = run_dir / "checkpoints" / "step_00000004" / "rank_00000.pt"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    (run_dir / "checkpoints" / "discarded_step_00000004").rename(run_dir / "checkpoints" / "old")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trmoe"):
+        _train_in_process(run_dir, *SMALL)
+    assert "truncated" in caplog.text
+    assert_same_run(run_dir, small_run)
+
+
+# ----------------------------------------------------------------------------------------- guards
+
+
+def _inject(monkeypatch, *, at: set[int], factor: float, once: bool = False) -> None:
+    """Multiply the loss of the steps in `at` by `factor` (NaN, or a spike) inside this process."""
+    from trmoe.train.controls import TrainingControls
+
+    begin, loss = TrainingControls.begin_step, TrainingControls.loss
+    seen = {"step": 0, "hit": set()}
+
+    def begin_step(self, step, optimizer):
+        seen["step"] = step
+        return begin(self, step, optimizer)
+
+    def faulty_loss(self, hidden, targets):
+        sums = loss(self, hidden, targets)
+        step = seen["step"]
+        if step in at and not (once and step in seen["hit"]):
+            seen["hit"].add(step)
+            return type(sums)(sums.total * factor, sums.ce * factor, sums.z, sums.tokens)
+        return sums
+
+    monkeypatch.setattr(TrainingControls, "begin_step", begin_step)
+    monkeypatch.setattr(TrainingControls, "loss", faulty_loss)
+
+
+GUARDED = [
+    "trainer.steps=12",
+    "trainer.log_every=4",
+    "trainer.eval_every=6",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=0",
+]
+
+
+def test_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(monkeypatch, tmp_path):
+    _inject(monkeypatch, at={6}, factor=float("nan"))
+    run_dir = tmp_path / "r"
+    _train_in_process(run_dir, *GUARDED)
+    ckpts = run_dir / "checkpoints"
+    five, six = load_checkpoint(ckpts / "step_00000005"), load_checkpoint(ckpts / "step_00000006")
+    for key in five["model"]:
+        assert torch.equal(five["model"][key], six["model"][key]), key
+    for index, state in five["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(six["optimizer"]["state"][index][name], value)
+    rows = {int(r["step"]): r for r in _rows(run_dir)}
+    assert rows[4]["skipped_steps"] == "0" and rows[8]["skipped_steps"] == "1"
+    assert all(r["train_loss"] != "nan" for s, r in rows.items() if s > 0)
+    assert load_checkpoint(run_dir)["step"] == 12
+
+
+def test_spike_rollback_recomputes_and_skips_the_offending_batch(monkeypatch, tmp_path):
+    """A transient x10 loss at step 7 (a silent-data-corruption-like fault): policy rollback reloads the
+    step-5 checkpoint, recomputes step 6, skips batch 7 and goes on. The result equals a run that simply
+    skipped batch 7 (here: NaN at step 7), bit for bit."""
+    spike = [*GUARDED, "checkpoint.every_steps=5", "guard.spike_factor=2", "guard.spike_window=3"]
+    spike.append("guard.spike_policy=rollback")
+    reference = tmp_path / "skip7"
+    with monkeypatch.context() as m:
+        _inject(m, at={7}, factor=float("nan"))
+        _train_in_process(reference, *spike)
+    _inject(monkeypatch, at={7}, factor=10.0, once=True)
+    run_dir = tmp_path / "rollback"
+    _train_in_process(run_dir, *spike)
+    log = (run_dir / "train.log").read_text()
+    assert "step 7: loss spike" in log and "rolled back to step_00000005" in log
+    a, b = load_checkpoint(run_dir), load_checkpoint(reference)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    rows_a, rows_b = _rows(run_dir), _rows(reference)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]  # rows after step 5 were rewritten once
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for column in ("train_loss", "train_objective", "eval_loss", "lr", "grad_norm", "skipped_steps"):
+            assert ra[column] == rb[column], (ra["step"], column)
+    assert rows_a[-1]["loss_spikes"] == "1" and rows_b[-1]["loss_spikes"] == "0"
+
+
+def test_persistent_spikes_stop_after_max_rollbacks(monkeypatch, tmp_path):
+    _inject(monkeypatch, at=set(range(7, 13)), factor=10.0)
+    overrides = [*GUARDED, "checkpoint.every_steps=2", "guard.spike_factor=2", "guard.spike_window=3"]
+    with pytest.raises(RunFailed, match="guard.max_rollbacks=2 reached"):
+        _train_in_process(tmp_path / "r", *overrides, "guard.spike_policy=rollback", "guard.max_rollbacks=2")
+
+
+def test_spike_policy_log_counts_and_applies(monkeypatch, tmp_path):
+    _inject(monkeypatch, at={7}, factor=10.0)
+    run_dir = tmp_path / "r"
+    _train_in_process(run_dir, *GUARDED, "guard.spike_factor=2", "guard.spike_window=3")
+    rows = {int(r["step"]): r for r in _rows(run_dir)}
+    assert rows[4]["loss_spikes"] == "0" and rows[8]["loss_spikes"] == "1" and rows[8]["skipped_steps"] == "0"
+    assert "step 7: loss spike" in (run_dir / "train.log").read_text()
+
+
+# ---------------------------------------------------------------------------------- disk full
+
+
+def test_out_of_disk_during_a_save_keeps_the_previous_checkpoint(monkeypatch, tmp_path, caplog):
+    """ENOSPC raised by the checkpoint writer part-way through a checkpoint. A real full disk cannot be made
+    safely here (no private tmpfs), so the writer is monkeypatched to fail as the kernel would:
+    OSError(ENOSPC) after some bytes. The run reports it, keeps the previous checkpoint and goes on; a
+    failing final checkpoint fails the run (RunFailed: exit 3) with the previous one still valid."""
+    import errno
+
+    import trmoe.train.checkpoint as ckpt
+
+    write, save = ckpt._ChecksumWriter.write, ckpt.CheckpointStore.save
+    state = {"saving": None, "fail_at": 3}
+
+    def tracked_save(self, step, **kwargs):
+        state["saving"] = step
+        return save(self, step, **kwargs)
+
+    def full_disk(self, data):
+        if state["saving"] == state["fail_at"] and self.bytes > 100_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, data)
+
+    monkeypatch.setattr(ckpt.CheckpointStore, "save", tracked_save)
+    monkeypatch.setattr(ckpt._ChecksumWriter, "write", full_disk)
+    run_dir = tmp_path / "r"
+    with caplog.at_level("ERROR", logger="trmoe"):
+        _train_in_process(run_dir, *SMALL, "checkpoint.every_steps=1", "checkpoint.keep_last=1")
+    assert "checkpoint at step 3 failed: [Errno 28] No space left on device" in caplog.text
+    assert "the newest complete checkpoint is still step_00000002" in caplog.text
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000004"]  # no temporary left; step 2 was pruned after step 4
+    assert_latest_sane(run_dir)
+
+    state["fail_at"] = 4  # the final checkpoint
+    final = tmp_path / "final"
+    with pytest.raises(RunFailed, match="final checkpoint could not be written"):
+        _train_in_process(final, *SMALL, "checkpoint.every_steps=1")
+    assert read_pointer(final / "checkpoints") == "step_00000003"
+    assert sorted(p.name for p in (final / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000002",
+        "step_00000003",
+    ]
+    assert_latest_sane(final)
+
+
+def test_telemetry_csv_continues_on_resume(tmp_path):
+    """telemetry.csv (telemetry.moe) is trimmed to the checkpoint's step and appended to, like metrics.csv:
+    earlier rows are kept byte for byte and no step appears twice."""
+    import shutil
+
+    full, run_dir = tmp_path / "full", tmp_path / "r"
+    _train_in_process(full, *SMALL, "telemetry.moe=true")
+    shutil.copytree(full, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed before step 4 was saved
+    (run_dir / "telemetry.csv").write_text((run_dir / "telemetry.csv").read_text() + "4,0,12")  # cut short
+    _train_in_process(run_dir, *SMALL, "telemetry.moe=true")
+
+    def lines(path):
+        return (path / "telemetry.csv").read_text().splitlines()
+
+    def keys(path):
+        return [tuple(line.split(",")[:2]) for line in lines(path)]
+
+    assert keys(run_dir) == keys(full)
+    early = [line for line in lines(full) if line.split(",")[0] in ("step", "1", "2")]
+    assert early == [line for line in lines(run_dir) if line.split(",")[0] in ("step", "1", "2")]

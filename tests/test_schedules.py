@@ -1,0 +1,193 @@
+"""Schedules: LR (cosine, constant, WSD) at known steps, an explicit horizon so that extending a run does
+not bend what already ran, and the optional ramps of p, the gates and the diversity weight (off unless
+configured)."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from conftest import compose_config
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.errors import UserError
+from trmoe.model.transformer import TRMoETransformer
+from trmoe.train.diversity import expert_diversity
+from trmoe.train.loop import train
+from trmoe.train.schedule import build_schedules, check_extension
+
+FAST = [
+    "trainer.micro_batch=2",
+    "trainer.seq_len=16",
+    "trainer.eval_batches=1",
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.progress=log",
+    "data=random",
+    "model.vocab_size=256",
+]
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def schedules(*overrides: str):
+    return build_schedules(to_config(compose_config("data=random", *overrides)))
+
+
+def rows(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))[1:]
+
+
+def test_cosine_at_known_steps():
+    lr = schedules("trainer.steps=100", "optimizer.warmup_steps=10", "optimizer.min_lr_ratio=0.1").lr
+    assert lr(1) == pytest.approx(0.1) and lr(5) == pytest.approx(0.5) and lr(10) == pytest.approx(1.0)
+    assert lr(55) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert lr(100) == pytest.approx(0.1) and lr(150) == pytest.approx(0.1)  # the floor, also beyond
+
+
+def test_default_warmup_is_five_percent_of_the_horizon():
+    assert schedules("trainer.steps=200").lr.warmup == 10
+    assert schedules("trainer.steps=200", "optimizer.decay_steps=400").lr.warmup == 20
+
+
+def test_constant_after_warmup():
+    lr = schedules("trainer.steps=50", "optimizer.schedule=constant", "optimizer.warmup_steps=4").lr
+    assert [lr(s) for s in (1, 4, 5, 50)] == pytest.approx([0.25, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    "shape,mid", [("linear", 0.5), ("cosine", 0.5), ("sqrt", 1 - math.sqrt(0.5))]
+)  # value of the decay function halfway
+def test_wsd_warms_up_holds_then_decays_to_the_floor(shape, mid):
+    lr = schedules(
+        "trainer.steps=100",
+        "optimizer.schedule=wsd",
+        "optimizer.warmup_steps=10",
+        "optimizer.wsd_decay_fraction=0.2",
+        f"optimizer.wsd_decay_shape={shape}",
+        "optimizer.min_lr_ratio=0.0",
+    ).lr
+    assert lr(5) == pytest.approx(0.5)
+    assert lr(10) == lr(50) == lr(80) == 1.0  # stable until the last 20% of the horizon
+    assert lr(90) == pytest.approx(mid)
+    assert lr(100) == pytest.approx(0.0) and lr(81) < 1.0
+
+
+def test_extending_steps_keeps_the_past_only_with_a_pinned_horizon():
+    done = schedules("trainer.steps=100", "optimizer.warmup_steps=10")
+    with pytest.raises(UserError, match="optimizer.decay_steps=100 optimizer.warmup_steps=10"):
+        check_extension(done, schedules("trainer.steps=200", "optimizer.warmup_steps=10"), steps_done=60)
+    pinned = schedules("trainer.steps=200", "optimizer.decay_steps=100", "optimizer.warmup_steps=10")
+    check_extension(done, pinned, steps_done=60)  # the first 60 steps are unchanged
+    assert pinned.lr(150) == pytest.approx(0.1)  # the extra steps run at the floor
+    # the default warmup is 5% of the horizon: it moves with the horizon unless pinned
+    with pytest.raises(UserError, match="lr_mult at step 1"):
+        check_extension(schedules("trainer.steps=100"), schedules("trainer.steps=200"), steps_done=50)
+
+
+def test_wsd_can_extend_its_horizon_while_still_stable():
+    wsd = ["optimizer.schedule=wsd", "optimizer.warmup_steps=10", "optimizer.wsd_decay_fraction=0.2"]
+    done = schedules("trainer.steps=100", *wsd)
+    longer = schedules("trainer.steps=300", *wsd)
+    check_extension(done, longer, steps_done=80)  # the decay (from step 81) had not started
+    with pytest.raises(UserError, match="lr_mult at step 81"):
+        check_extension(done, longer, steps_done=90)
+
+
+def test_ramps_at_known_steps_and_off_by_default():
+    off = schedules("trainer.steps=100")
+    assert off.primary_weight is None and off.shared_gate is None and off.routed_gate is None
+    assert off.diversity is None  # no hidden default ramp of anything
+    s = schedules(
+        "trainer.steps=100",
+        "routing.primary_weight=0.5",
+        "routing.primary_weight_final=0.9",
+        "routing.primary_weight_ramp=0.4",
+        "routing.primary_weight_ramp_shape=linear",
+        "model.routed_gate_final=0.2",
+        "model.gate_ramp=0.5",
+        "loss.diversity_weight=0.01",
+        "loss.diversity_ramp=0.1",
+    )
+    p = s.primary_weight
+    assert [p(1), p(21), p(41), p(100)] == pytest.approx([0.5, 0.7, 0.9, 0.9])
+    g = s.routed_gate  # cosine from routed_gate_init 1.0 over 50 steps
+    assert [g(1), g(26), g(51)] == pytest.approx([1.0, 0.6, 0.2])
+    assert s.shared_gate is None
+    d = s.diversity
+    assert [d(1), d(6), d(11), d(50)] == pytest.approx([0.0, 0.005, 0.01, 0.01])
+    const = schedules("loss.diversity_weight=0.01").diversity
+    assert const(1) == const(100) == 0.01  # no ramp: lambda from step 1
+
+
+def test_primary_weight_change_changes_the_routed_output():
+    cfg = to_config(compose_config("data=random", "model.vocab_size=64"))
+    torch.manual_seed(0)
+    routed = TRMoETransformer(model_spec(cfg)).blocks[0].ffn.routed
+    x, ids = torch.randn(10, 64), torch.arange(10)
+    a = routed(x, ids)
+    routed.primary_weight = 0.9
+    b = routed(x, ids)
+    assert routed.primary_weight == 0.9 and routed.route_w.tolist() == pytest.approx([0.9, 0.1])
+    assert not torch.allclose(a, b)
+
+
+def test_scheduled_p_and_gates_drive_the_run_and_default_p_stays_put(tmp_path):
+    train(compose_config(*FAST, "trainer.steps=5", "trainer.log_every=1"), tmp_path / "default")
+    assert {r["primary_weight"] for r in rows(tmp_path / "default")} == {"0.5"}
+
+    train(
+        compose_config(
+            *FAST,
+            "trainer.steps=5",
+            "trainer.log_every=1",
+            "routing.primary_weight_final=0.9",
+            "routing.primary_weight_ramp=0.8",
+            "routing.primary_weight_ramp_shape=linear",
+            "model.routed_gate_final=0.25",
+            "model.gate_ramp=0.8",
+            "model.gate_ramp_shape=linear",
+        ),
+        tmp_path / "ramped",
+    )
+    r = rows(tmp_path / "ramped")
+    assert [float(x["primary_weight"]) for x in r] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9])
+    # the scheduled gate is written, not learned: exactly the ramp, though training moves the other gate
+    assert [float(x["routed_gate"]) for x in r] == pytest.approx([1.0, 0.8125, 0.625, 0.4375, 0.25])
+    assert float(r[-1]["shared_gate"]) != 1.0
+
+
+def test_expert_diversity_penalty_values_and_effect(tmp_path):
+    cfg = to_config(compose_config("data=random", "model.vocab_size=64"))
+    torch.manual_seed(0)
+    model = TRMoETransformer(model_spec(cfg))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ffn.routed.w_out.copy_(block.ffn.routed.w_out[:1].expand_as(block.ffn.routed.w_out))
+    assert float(expert_diversity(model).detach()) == pytest.approx(1.0)  # identical experts
+    with torch.no_grad():
+        for block in model.blocks:
+            w = block.ffn.routed.w_out
+            w.zero_()
+            for e in range(w.shape[0]):
+                w[e, e, 0] = 1.0  # disjoint supports: orthogonal
+    assert float(expert_diversity(model).detach()) == pytest.approx(0.0)
+
+    # in training, a large lambda drives the penalty down faster than lambda = 0 does
+    base = [*FAST, "trainer.steps=6", "trainer.log_every=6", "optimizer.lr=1e-3", "optimizer.warmup_steps=1"]
+    finals = {}
+    for lam in (1e-9, 100.0):
+        name = f"lam{lam}"
+        train(compose_config(*base, f"loss.diversity_weight={lam}"), tmp_path / name)
+        last = rows(tmp_path / name)[-1]
+        assert float(last["diversity_lambda"]) == pytest.approx(lam)
+        finals[lam] = float(last["diversity"])
+    assert finals[100.0] < 0.5 * finals[1e-9]

@@ -1,0 +1,217 @@
+"""Token shards: the on-disk format, memory-mapped reading, verification, and every bad shard a user can hand
+over (one UserError naming the file)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trmoe.data.sampler import WindowSampler
+from trmoe.data.shards import (
+    BIN_NAME,
+    INDEX_NAME,
+    ShardWriter,
+    dtype_for_vocab,
+    open_shard,
+    read_index,
+    verify_shard,
+    write_shard,
+)
+from trmoe.errors import UserError
+
+SYNTH = dict(vocab_size=512, tokenizer="synthetic", tokenizer_sha256=None, eos_id=0, source={"kind": "test"})
+
+
+def synthetic_tokens(n: int, vocab: int = 512, seed: int = 0, doc_len: int = 37) -> np.ndarray:
+    """Ids in [1, vocab) with EOS (0) closing a document every doc_len tokens (the last token is EOS)."""
+    tokens = np.random.default_rng(seed).integers(1, vocab, size=n).astype(np.int64)
+    tokens[doc_len - 1 :: doc_len] = 0
+    tokens[-1] = 0
+    return tokens
+
+
+def make_shard(directory: Path, tokens: np.ndarray, partition: str = "train", **overrides) -> dict:
+    meta = {**SYNTH, **overrides}
+    documents = int((tokens == meta["eos_id"]).sum()) if meta["eos_id"] is not None else 0
+    return write_shard(directory, tokens, partition=partition, documents=documents, **meta)
+
+
+def edit_index(directory: Path, **changes) -> None:
+    path = directory / INDEX_NAME
+    index = json.loads(path.read_text())
+    index.update(changes)
+    path.write_text(json.dumps(index))
+
+
+def test_dtype_follows_the_vocab():
+    assert dtype_for_vocab(512) == "<u2"
+    assert dtype_for_vocab(65_536) == "<u2"  # ids 0..65535 fit uint16
+    assert dtype_for_vocab(65_537) == "<u4"
+    assert dtype_for_vocab(200_019) == "<u4"  # o200k
+
+
+@pytest.mark.parametrize("vocab", [512, 200_019])
+def test_round_trip_is_exact_and_memory_mapped(tmp_path, vocab):
+    tokens = synthetic_tokens(10_000, vocab=vocab)
+    index = make_shard(tmp_path / "s", tokens, vocab_size=vocab)
+    raw = (tmp_path / "s" / BIN_NAME).read_bytes()
+    assert index["dtype"] == dtype_for_vocab(vocab) and len(raw) == tokens.size * (2 if vocab == 512 else 4)
+    assert np.array_equal(
+        np.frombuffer(raw, dtype=index["dtype"]), tokens
+    )  # flat little-endian ids, no header
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [BIN_NAME, INDEX_NAME]  # no .partial left
+    on_disk = json.loads((tmp_path / "s" / INDEX_NAME).read_text())
+    assert on_disk == index and on_disk["format"] == "trmoe-token-shard" and on_disk["version"] == 1
+    assert on_disk["num_tokens"] == 10_000 and on_disk["max_token_id"] == int(tokens.max())
+    assert on_disk["documents"] == int((tokens == 0).sum())
+    shard = open_shard(tmp_path / "s")
+    assert isinstance(shard.tokens, np.memmap) and not shard.tokens.flags.writeable
+    assert np.array_equal(shard.tokens, tokens)
+    scan = verify_shard(tmp_path / "s")
+    assert scan["sha256"] == index["sha256"] and scan["eos_count"] == index["documents"]
+    fp = shard.fingerprint()
+    assert fp["path"] == str((tmp_path / "s").resolve()) and fp["sha256"] == index["sha256"]
+
+
+def test_writer_streams_chunks_and_abort_leaves_nothing(tmp_path):
+    writer = ShardWriter(tmp_path / "w", partition="eval", **SYNTH)
+    chunks = [synthetic_tokens(1000, seed=s) for s in range(3)]
+    for chunk in chunks:
+        writer.append(chunk, documents=int((chunk == 0).sum()), text_bytes=5)
+    assert not (tmp_path / "w" / INDEX_NAME).exists()  # not a shard until close()
+    index = writer.close()
+    assert index["partition"] == "eval" and index["text_bytes"] == 15
+    assert np.array_equal(open_shard(tmp_path / "w").tokens, np.concatenate(chunks))
+    aborted = ShardWriter(tmp_path / "a", partition="train", **SYNTH)
+    aborted.append(chunks[0])
+    aborted.abort()
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match="token ids"):
+        ShardWriter(tmp_path / "b", partition="train", **SYNTH).append(np.array([3, 512]))
+
+
+def _rss_anon() -> int:
+    """Anonymous resident memory: what a copy of the shard into the process would add. (Mapped file pages,
+    RssFile, are the shared page cache; on kernels with large folios a fault maps a whole folio, so RssFile
+    grows in MB steps even when a few bytes are read.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_opening_and_sampling_a_shard_does_not_load_it(tmp_path):
+    """128 MB shard: opening it, drawing shuffled batches and verifying it leave the process's own memory
+    within a few MB (a copy would add 128 MB)."""
+    vocab, chunk, chunks = 100_000, 1 << 20, 32
+    writer = ShardWriter(tmp_path / "big", partition="train", **{**SYNTH, "vocab_size": vocab})
+    for c in range(chunks):
+        writer.append((np.arange(c * chunk, (c + 1) * chunk, dtype=np.int64) * 7919) % vocab)
+    writer.close()
+    size = (tmp_path / "big" / BIN_NAME).stat().st_size
+    assert size == chunk * chunks * 4
+    gc.collect()
+    before = _rss_anon()
+    shard = open_shard(tmp_path / "big")
+    assert isinstance(shard.tokens, np.memmap)
+    sampler = WindowSampler(shard.tokens, 128, "shuffled", seed=0)
+    for step in range(20):
+        inputs, targets = sampler.batch(step * 8, 8)
+        j = sampler.window_index(step * 8)
+        assert inputs[0].tolist() == ((np.arange(j * 128, j * 128 + 128) * 7919) % vocab).tolist()
+    grown = _rss_anon() - before
+    assert grown < 16 * 2**20, f"RSS grew {grown / 2**20:.1f} MB for a {size / 2**20:.0f} MB shard"
+    verify_shard(tmp_path / "big")  # chunked reads into one 16 MB buffer
+    assert _rss_anon() - before < 24 * 2**20
+
+
+# ----------------------------------------------------------------------------------------------- bad shards
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    make_shard(tmp_path / "good", synthetic_tokens(2000))
+    return tmp_path / "good"
+
+
+def _error(directory: Path, verify: bool = False) -> str:
+    with pytest.raises(UserError) as err:
+        open_shard(directory, verify=verify)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_directory_index_and_bin(tmp_path, good):
+    assert "no such directory" in _error(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    assert f"{tmp_path / 'empty' / INDEX_NAME}: missing" in _error(tmp_path / "empty")
+    (good / BIN_NAME).unlink()
+    assert f"{good / BIN_NAME}: missing" in _error(good)
+
+
+def test_truncated_bin(good):
+    data = (good / BIN_NAME).read_bytes()
+    (good / BIN_NAME).write_bytes(data[:-6])
+    message = _error(good)
+    assert str(good / BIN_NAME) in message and "truncated" in message and "num_tokens x itemsize" in message
+
+
+def test_dtype_that_does_not_match_the_file(good):
+    edit_index(good, dtype="<u4")  # written as uint16: the file is half the size a uint32 shard would be
+    assert "dtype <u4" in _error(good) and "truncated" in _error(good)
+    edit_index(good, dtype="<i8")
+    assert "dtype is '<i8'" in _error(good)
+    edit_index(good, dtype="<u2", vocab_size=200_019)
+    assert "cannot hold ids of vocab_size 200019" in _error(good)
+
+
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        ("{not json", "malformed JSON"),
+        ("[1, 2]", "top level must be a JSON object"),
+        ('{"format": "complexity-token-shard-v1"}', "format is 'complexity-token-shard-v1'"),
+        ('{"format": "trmoe-token-shard", "version": 2}', "version is 2; this trmoe reads version 1"),
+        ('{"format": "trmoe-token-shard", "version": 1}', "field 'bin' is missing"),
+    ],
+)
+def test_malformed_or_wrong_version_index(good, content, expected):
+    (good / INDEX_NAME).write_text(content)
+    message = _error(good)
+    assert str(good / INDEX_NAME) in message and expected in message
+
+
+def test_index_field_checks(good):
+    edit_index(good, num_tokens="2000")
+    assert "'num_tokens' has the wrong type" in _error(good)
+    edit_index(good, num_tokens=2000, partition="test")
+    assert "partition is 'test'" in _error(good)
+    edit_index(good, partition="train", bin="../tokens.bin")
+    assert "bin must be a file name" in _error(good)
+    edit_index(good, bin=BIN_NAME, max_token_id=512)
+    assert "max_token_id 512 is outside the vocab [0, 512)" in _error(good)
+
+
+def test_verify_catches_corruption_and_lying_indexes(good):
+    open_shard(good, verify=True)
+    data = bytearray((good / BIN_NAME).read_bytes())
+    data[10] ^= 1
+    (good / BIN_NAME).write_bytes(bytes(data))
+    open_shard(good)  # the cheap checks pass: same size
+    assert "does not match the index" in _error(good, verify=True)
+    tokens = synthetic_tokens(2000)
+    tokens[5] = 511
+    make_shard(good, tokens)
+    edit_index(good, max_token_id=400)  # the index under-reports the ids
+    assert "max token id is 511, the index says 400" in _error(good, verify=True)
+    make_shard(good, tokens)
+    edit_index(good, documents=3)
+    assert "EOS tokens but the index counts 3 documents" in _error(good, verify=True)
+    assert read_index(good)["documents"] == 3

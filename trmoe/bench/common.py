@@ -1,0 +1,81 @@
+"""Shared benchmark plumbing: machine facts, interleaved timing, JSON-lines results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path("bench") / "results.jsonl"
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    cases: dict[str, Callable[[], object]], device: torch.device, warmup: int = 2, reps: int = 7
+) -> dict[str, dict]:
+    """Median seconds per call of each case, the cases run round-robin so machine noise hits all alike."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {
+        name: {"median_s": statistics.median(s), "min_s": min(s), "reps": len(s)}
+        for name, s in samples.items()
+    }
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
+    """Measured throughput of one large square GEMM: the peak a real kernel reaches on this machine now."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    result = time_interleaved({"mm": lambda: a @ b}, device, warmup=2, reps=7)
+    return 2 * n**3 / result["mm"]["median_s"]
+
+
+def record(name: str, payload: dict, out: Path = RESULTS) -> dict:
+    """Append one result line (with the machine it ran on) to bench/results.jsonl and return it."""
+    entry = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **payload}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry

@@ -1,0 +1,119 @@
+"""`ffn`: forward+backward of the TR-MoE FFN vs dense SwiGLUs of the same stored and the same active width.
+
+The widths are the 100m profile's, the matched pilot's (TR-GQA vs dense 1,648) and the routing ablations'
+(panel A: 768 + 4 x 192). Target: TR time <= 1.0x the stored-width dense layer and <= 1.10x the
+active-width one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from trmoe.bench.common import record, time_interleaved
+from trmoe.model.moe import SharedExpert, TRMoEFFN
+
+LAYOUTS = {  # name: (hidden, shared width, routed width)
+    "100m": (384, 1536, 128),
+    "matched_pilot": (384, 1392, 256),
+    "panel_a": (384, 768, 768),
+}
+
+
+def _tr_ffn(hidden: int, shared: int, routed: int, experts: int, top_k: int, vocab: int) -> TRMoEFFN:
+    ffn = TRMoEFFN(
+        hidden,
+        shared,
+        routed,
+        experts,
+        top_k,
+        0.5,
+        gates=True,
+        shared_gate_init=1.0,
+        routed_gate_init=1.0,
+        shared_scale=1.0,
+        routed_scale=1.0,
+        vocab_size=vocab,
+        layer=0,
+        strategy="modulo_cyclic",
+        seed=0,
+        hash_count=2,
+    )
+    for p in ffn.parameters():
+        if p.ndim >= 2:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    return ffn
+
+
+def _dense(hidden: int, width: int) -> SharedExpert:
+    layer = SharedExpert(hidden, width)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    return layer
+
+
+def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, *args: torch.Tensor) -> None:
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    module(x, *args).sum().backward()
+
+
+def run(tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu") -> list[dict]:
+    dev = torch.device(device)
+    vocab = 200_019
+    torch.manual_seed(0)
+    results = []
+    for name, (hidden, shared, routed) in LAYOUTS.items():
+        active = shared + top_k * routed // experts
+        tr = _tr_ffn(hidden, shared, routed, experts, top_k, vocab).to(dev)
+        dense_stored = _dense(hidden, shared + routed).to(dev)
+        dense_active = _dense(hidden, active).to(dev)
+        x = torch.randn(tokens, hidden, device=dev, requires_grad=True)
+        ids = torch.randint(0, vocab, (tokens,), device=dev)
+
+        cases = {
+            "tr": functools.partial(_fwd_bwd, tr, x, ids),
+            "dense_stored": functools.partial(_fwd_bwd, dense_stored, x),
+            "dense_active": functools.partial(_fwd_bwd, dense_active, x),
+        }
+        timings = time_interleaved(cases, dev, reps=reps)
+        tr_s = timings["tr"]["median_s"]
+        results.append(
+            record(
+                "ffn",
+                {
+                    "layout": name,
+                    "device": device,
+                    "tokens": tokens,
+                    "hidden": hidden,
+                    "shared_width": shared,
+                    "routed_width": routed,
+                    "experts": experts,
+                    "top_k": top_k,
+                    "stored_width": shared + routed,
+                    "active_width": active,
+                    "ideal_ratio_vs_stored": active / (shared + routed),
+                    "timings": timings,
+                    "ratio_vs_dense_stored": tr_s / timings["dense_stored"]["median_s"],
+                    "ratio_vs_dense_active": tr_s / timings["dense_active"]["median_s"],
+                },
+            )
+        )
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trmoe.bench ffn", description=__doc__)
+    parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args(argv)
+    tokens = args.tokens or (8 * 2048 if args.device == "cuda" else 2 * 2048)
+    for r in run(tokens, reps=args.reps, device=args.device):
+        print(
+            f"{r['layout']:>14}: TR {r['timings']['tr']['median_s'] * 1e3:7.2f} ms | "
+            f"vs dense stored {r['ratio_vs_dense_stored']:.3f}x (ideal {r['ideal_ratio_vs_stored']:.3f}) | "
+            f"vs dense active {r['ratio_vs_dense_active']:.3f}x"
+        )

@@ -1,0 +1,135 @@
+"""`step`: full training steps (data, forward, loss, backward, optimizer) — tok/s, the time split, and MFU.
+
+FLOPs per token are counted from the model: 6 x active non-embedding parameters + 6 x L x H x S for causal
+attention scores + 6 x H x V for the tied head. The peak is a large fp32 GEMM measured in the same run on
+CPU, or the datasheet bf16 peak of the GPU. `--pair` also times the matched dense control (E=1, K=1,
+same total parameters) side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from trmoe.bench.common import matmul_peak_flops, record, sync
+
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def _components(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    import trmoe.config.schema  # noqa: F401
+    from trmoe.config.resolve import model_spec, to_config
+
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        cfg = to_config(compose("config", overrides=overrides))
+    return cfg, model_spec(cfg)
+
+
+def flops_per_token(spec, params, seq_len: int) -> float:
+    non_embedding_active = params.active - params.embedding
+    attention = 6 * spec.num_layers * spec.hidden_size * seq_len
+    head = 6 * spec.hidden_size * spec.embedding_rows
+    return 6 * non_embedding_active + attention + head
+
+
+def measure(overrides: list[str], steps: int, device: torch.device) -> dict:
+    from trmoe.data.pipeline import build_data
+    from trmoe.model.transformer import TRMoETransformer, count_parameters
+    from trmoe.train.loss import chunked_tied_ce
+    from trmoe.train.optim import build_optimizer
+
+    cfg, spec = _components(overrides)
+    t = cfg.trainer
+    torch.manual_seed(0)
+    model = TRMoETransformer(spec).to(device)
+    params = count_parameters(model)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    data = build_data(cfg, spec.vocab_size)
+    split = {"data": [], "forward": [], "loss": [], "backward": [], "optimizer": []}
+    for step in range(steps + 2):  # two warm-up steps
+        marks = [time.perf_counter()]
+        inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
+        inputs, targets = inputs.to(device), targets.to(device)
+        sync(device)
+        marks.append(time.perf_counter())
+        hidden = model(inputs)
+        sync(device)
+        marks.append(time.perf_counter())
+        hidden_leaf = hidden.detach().requires_grad_()
+        sums = chunked_tied_ce(hidden_leaf, model.head_weight, targets, chunk_tokens=cfg.loss.chunk_tokens)
+        (sums.total / targets.numel()).backward()
+        sync(device)
+        marks.append(time.perf_counter())
+        hidden.backward(hidden_leaf.grad)
+        sync(device)
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        marks.append(time.perf_counter())
+        if step >= 2:
+            for name, a, b in zip(split, marks, marks[1:], strict=False):
+                split[name].append(b - a)
+    tokens = t.micro_batch * t.seq_len
+    seconds = {k: sorted(v)[len(v) // 2] for k, v in split.items()}
+    step_s = sum(seconds.values())
+    fpt = flops_per_token(spec, params, t.seq_len)
+    return {
+        "overrides": overrides,
+        "params_total": params.total,
+        "params_active": params.active,
+        "tokens_per_step": tokens,
+        "split_s": seconds,
+        "step_s": step_s,
+        "tok_s": tokens / step_s,
+        "flops_per_token": fpt,
+        "achieved_flops": fpt * tokens / step_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trmoe.bench step", description=__doc__)
+    parser.add_argument("--model", nargs="+", default=["tiny", "100m"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--pair", action="store_true", help="also time the matched dense control (E=1, K=1)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+        peak_source = "datasheet bf16"
+    else:
+        peak, peak_source = matmul_peak_flops(device), "measured fp32 2048^3 GEMM"
+    for model in args.model:
+        base = [
+            f"model={model}",
+            f"trainer.micro_batch={args.batch}",
+            f"trainer.seq_len={args.seq}",
+            "data=embedded",
+            *args.overrides,
+        ]
+        arms = {"tr": base}
+        if args.pair:
+            arms["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
+        measured = {arm: measure(o, args.steps, device) for arm, o in arms.items()}
+        payload = {"model": model, "device": str(device), "peak_flops": peak, "peak_source": peak_source}
+        for arm, m in measured.items():
+            m["mfu"] = m["achieved_flops"] / peak if peak else None
+            payload[arm] = m
+        if args.pair:
+            payload["tr_over_dense_tok_s"] = measured["tr"]["tok_s"] / measured["dense"]["tok_s"]
+        record("step", payload)
+        for arm, m in measured.items():
+            split = " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in m["split_s"].items())
+            mfu = f"{m['mfu']:.1%}" if m["mfu"] else "n/a"
+            print(f"{model:>6} {arm:>5}: {m['tok_s']:8.1f} tok/s  MFU {mfu}  ({split})")
+        if args.pair:
+            print(f"{model:>6}: TR / dense tok/s = {payload['tr_over_dense_tok_s']:.3f}")

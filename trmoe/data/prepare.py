@@ -1,0 +1,479 @@
+"""`python -m trmoe.data.prepare INPUT --out DIR`: text -> a train/eval pair of o200k token shards.
+
+INPUT is a UTF-8 text file, a directory (every .txt, .jsonl and .parquet file below it, sorted by path) or
+a glob. Documents: blank-line separated (or --separator) in text files, one JSON object per line in .jsonl
+and one row per Parquet row, the text in --text-field. Each document goes to train or eval by the stable
+content-hash rule (trmoe.data.corpus.is_eval_document), never by its position. Worker processes tokenize
+chunks of documents with tiktoken's batch encoder; results are written in input order as they arrive, so
+memory stays bounded and re-running on the same input gives byte-identical shards. Output files are written
+as *.partial and renamed when complete; any error removes them.
+
+    python -m trmoe.data.prepare corpus/ --out data/mycorpus --eval-fraction 0.01
+    python -m trmoe.data.prepare verify data/mycorpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import glob
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trmoe.data.corpus import SPLIT_RULE
+from trmoe.data.encode import encode_documents, make_pool, ordered_map
+from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
+from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.errors import UserError
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+CHUNK_DOCS = 512  # documents per worker task
+CHUNK_BYTES = 2 << 20  # ... or this much text, whichever comes first
+DATASET_FILE = "dataset.json"
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def discover_inputs(spec: str) -> tuple[Path, list[Path]]:
+    """(root, files): a single file (read as text unless it is .jsonl/.parquet), every .txt/.jsonl/.parquet
+    file below a directory, or the files a glob matches; sorted by path."""
+    if any(ch in spec for ch in "*?["):
+        files = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        files = [p for p in files if p.is_file()]
+        if not files:
+            raise UserError(f"input {spec}: the glob matches no files")
+        bad = [p for p in files if p.suffix not in SUFFIXES]
+        if bad:
+            raise UserError(f"input {bad[0]}: unsupported file type; allowed: {', '.join(SUFFIXES)}")
+        return Path(os.path.commonpath([str(p.parent) for p in files])), files
+    path = Path(spec).expanduser().resolve()
+    if not path.exists():
+        raise UserError(f"input {path}: no such file or directory")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        if not files:
+            raise UserError(f"input {path}: the directory holds no {', '.join(SUFFIXES)} files")
+        return path, files
+    if not path.is_file():
+        raise UserError(f"input {path}: not a regular file")
+    return path.parent, [path]
+
+
+def _utf8_error(path: Path, raw: bytes, exc: UnicodeDecodeError, offset: int) -> UserError:
+    return UserError(
+        f"text file {path}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte offset "
+        f"{offset + exc.start}: "
+        f"{exc.reason})"
+    )
+
+
+def text_documents(path: Path, separator: str | None) -> Iterator[tuple[str, int]]:
+    """(document, bytes read so far) of a UTF-8 text file, streamed. Without a separator a document ends at
+    one or more empty / whitespace-only lines (the data=text rule); each is stripped, empty ones dropped."""
+    if separator is not None:
+        yield from _separated_documents(path, separator)
+        return
+    lines: list[str] = []
+    offset = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(path, raw, exc, offset) from None
+            if offset == 0:
+                line = line.removeprefix("\ufeff")
+            offset += len(raw)
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                doc = "".join(lines).strip()
+                lines = []
+                if doc:
+                    yield doc, offset
+    doc = "".join(lines).strip()
+    if doc:
+        yield doc, offset
+
+
+def _separated_documents(path: Path, separator: str) -> Iterator[tuple[str, int]]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    buffer, offset, first = "", 0, True
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(1 << 20)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(path, exc.object, exc, offset - (len(exc.object) - len(raw))) from None
+            offset += len(raw)
+            if first:
+                text, first = text.removeprefix("\ufeff"), False
+            buffer += text
+            *done, buffer = buffer.split(separator)
+            for piece in done:
+                if piece.strip():
+                    yield piece.strip(), offset
+            if not raw:
+                break
+    if buffer.strip():
+        yield buffer.strip(), offset
+
+
+def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(path, raw, exc, offset) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"jsonl file {path}: line {lineno} is not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise UserError(
+                    f"jsonl file {path}: line {lineno} has no field {text_field!r} (--text-field)"
+                )
+            text = record[text_field]
+            if text is not None and not isinstance(text, str):
+                raise UserError(
+                    f"jsonl file {path}: line {lineno}: field {text_field!r} is a {type(text).__name__}, "
+                    "not a string"
+                )
+            if text:
+                yield text, offset
+
+
+def _parquet_file(path: Path, text_field: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        handle = pq.ParquetFile(path)
+        schema = handle.schema_arrow
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"parquet file {path}: unreadable ({str(exc).strip().splitlines()[0]})") from None
+    if text_field not in schema.names:
+        raise UserError(
+            f"parquet file {path}: no column {text_field!r} (--text-field); "
+            f"allowed: {', '.join(schema.names)}"
+        )
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        raise UserError(f"parquet file {path}: column {text_field!r} has type {kind}, not a string")
+    return handle
+
+
+def parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    import pyarrow as pa
+
+    handle = _parquet_file(path, text_field)
+    size = path.stat().st_size
+    groups = handle.num_row_groups
+    for rg in range(groups):
+        try:
+            column = handle.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise UserError(f"parquet file {path}: unreadable ({str(exc).strip().splitlines()[0]})") from None
+        done = size * (rg + 1) // groups
+        for text in column:
+            if text:
+                yield text, done
+
+
+def file_documents(path: Path, text_field: str, separator: str | None) -> Iterator[tuple[str, int]]:
+    """(document, input bytes consumed) of one input file; a file without documents is an error."""
+    if path.suffix == ".parquet":
+        reader = parquet_documents(path, text_field)
+    elif path.suffix == ".jsonl":
+        reader = jsonl_documents(path, text_field)
+    else:
+        reader = text_documents(path, separator)
+    count = 0
+    for item in reader:
+        count += 1
+        yield item
+    if count == 0:
+        raise UserError(f"{path.suffix.lstrip('.') or 'text'} file {path}: contains no documents (empty)")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Documents, tokens, MB/s and ETA: a tqdm bar on a terminal, a log line every few seconds elsewhere."""
+
+    def __init__(self, mode: str, total_bytes: int):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode, self.total = mode, max(total_bytes, 1)
+        self.start = self._last_log = time.perf_counter()
+        self.done = 0
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+
+    def update(self, done_bytes: int, documents: int, tokens: int) -> None:
+        if self._bar is not None:
+            self._bar.update(done_bytes - self.done)
+            self._bar.set_postfix(docs=f"{documents:,}", tokens=f"{tokens:,}", refresh=False)
+        self.done = done_bytes
+        now = time.perf_counter()
+        if self.mode == "log" and now - self._last_log >= 5.0:
+            self._last_log = now
+            rate = done_bytes / max(now - self.start, 1e-9)
+            eta = (self.total - done_bytes) / max(rate, 1e-9)
+            print(
+                f"prepare: {100 * done_bytes / self.total:5.1f}% | {documents:,} docs | {tokens:,} tokens | "
+                f"{rate / 1e6:.1f} MB/s | eta {int(eta // 60)}m{int(eta % 60):02d}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ----------------------------------------------------------------------------------------------- prepare
+
+
+def _chunks(files: list[Path], text_field: str, separator: str | None) -> Iterator[tuple[tuple, list[str]]]:
+    """((file index, bytes consumed in that file), texts) chunks of the documents of all files, in order."""
+    for fi, path in enumerate(files):
+        texts: list[str] = []
+        size, pos = 0, 0
+        for text, pos in file_documents(path, text_field, separator):
+            texts.append(text)
+            size += len(text)
+            if len(texts) >= CHUNK_DOCS or size >= CHUNK_BYTES:
+                yield (fi, pos), texts
+                texts, size = [], 0
+        if texts:
+            yield (fi, pos), texts
+
+
+def _check_args(eval_fraction: float, workers: int, separator: str | None, text_field: str) -> None:
+    if not 0.0 < eval_fraction < 1.0:
+        raise UserError(f"--eval-fraction {eval_fraction}: must be in (0, 1)")
+    if workers < 0:
+        raise UserError(f"--workers {workers}: must be >= 0 (0 = tokenize in this process)")
+    if separator == "":
+        raise UserError("--separator: must be a non-empty string (or omit it to split on blank lines)")
+    if not text_field:
+        raise UserError("--text-field: must name the field that holds the text")
+
+
+def prepare(
+    input_spec: str,
+    out: str | Path,
+    *,
+    text_field: str = "text",
+    separator: str | None = None,
+    eval_fraction: float = 0.01,
+    split_seed: int = 0,
+    workers: int = 0,
+    progress: str = "none",
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenize the input into <out>/train and <out>/eval shards; returns the dataset summary (also written
+    to <out>/dataset.json). Raises UserError, leaving nothing behind, on bad input."""
+    _check_args(eval_fraction, workers, separator, text_field)
+    root, files = discover_inputs(input_spec)
+    for path in files:  # fail on unreadable Parquet before writing anything
+        if path.suffix == ".parquet":
+            _parquet_file(path, text_field)
+    out = Path(out).expanduser().resolve()
+    existing = [out / p / INDEX_NAME for p in PARTITIONS if (out / p / INDEX_NAME).exists()]
+    existing += [out / DATASET_FILE] if (out / DATASET_FILE).exists() else []
+    if existing and not overwrite:
+        raise UserError(f"output {out}: already holds a prepared dataset ({existing[0]}); use --overwrite")
+    if any(out == p or out in p.parents for p in files):
+        raise UserError(f"output {out}: is the input or inside it; choose another --out")
+    enc = load_o200k()
+    inputs = [
+        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in files
+    ]
+    source = {
+        "tool": "trmoe.data.prepare",
+        "root": str(root),
+        "inputs": inputs,
+        "text_field": text_field,
+        "separator": separator if separator is not None else "blank lines",
+        "split_rule": SPLIT_RULE,
+        "eval_fraction": eval_fraction,
+        "split_seed": split_seed,
+    }
+    created = [d for d in (out, *(out / p for p in PARTITIONS)) if not d.exists()]
+    meta = dict(vocab_size=enc.n_vocab, tokenizer=TOKENIZER_NAME, tokenizer_sha256=tokenizer_fingerprint())
+    writers = {p: ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta) for p in PARTITIONS}
+    offsets = np.cumsum([0] + [p.stat().st_size for p in files])
+    bar = Progress(progress, int(offsets[-1]))
+    start = time.perf_counter()
+    pool, documents = None, 0
+    try:
+        pool = make_pool(workers)
+        tasks = (
+            (tag, (texts, eval_fraction, split_seed, "all"))
+            for tag, texts in _chunks(files, text_field, separator)
+        )
+        for (fi, pos), (is_eval, text_bytes, lengths, ids) in ordered_map(
+            pool, encode_documents, tasks, max_in_flight=2 * max(workers, 1) + 1
+        ):
+            held_out = np.repeat(is_eval, lengths)
+            writers["train"].append(ids[~held_out], int((~is_eval).sum()), int(text_bytes[~is_eval].sum()))
+            writers["eval"].append(ids[held_out], int(is_eval.sum()), int(text_bytes[is_eval].sum()))
+            documents = writers["train"].documents + writers["eval"].documents
+            tokens = writers["train"].num_tokens + writers["eval"].num_tokens
+            bar.update(int(offsets[fi]) + pos, documents, tokens)
+        for p, writer in writers.items():
+            if writer.documents == 0:
+                raise UserError(
+                    f"input {input_spec}: the split rule put none of the {documents} documents into {p}; "
+                    f"{'raise' if p == 'eval' else 'lower'} --eval-fraction or add documents"
+                )
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    indexes = {p: writer.close() for p, writer in writers.items()}
+    elapsed = time.perf_counter() - start
+    summary = {
+        "format": "trmoe-dataset",
+        "version": 1,
+        "source": source,
+        "tokenizer": TOKENIZER_NAME,
+        "tokenizer_sha256": meta["tokenizer_sha256"],
+        "partitions": {
+            p: {k: idx[k] for k in ("num_tokens", "documents", "text_bytes", "sha256", "dtype")} | {"path": p}
+            for p, idx in indexes.items()
+        },
+    }
+    tmp = out / (DATASET_FILE + ".partial")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / DATASET_FILE)
+    summary["elapsed_s"] = elapsed
+    summary["input_bytes"] = int(offsets[-1])
+    return summary
+
+
+def _print_summary(out: Path, summary: dict[str, Any]) -> None:
+    elapsed = summary["elapsed_s"]
+    print(f"prepared {out}  ({summary['input_bytes'] / 1e6:.1f} MB of input in {elapsed:.1f} s, "
+          f"{summary['input_bytes'] / 1e6 / max(elapsed, 1e-9):.1f} MB/s)")  # fmt: skip
+    for p, part in summary["partitions"].items():
+        print(
+            f"  {p:5s} {part['documents']:>10,} documents  {part['num_tokens']:>14,} tokens  "
+            f"{part['text_bytes']:>14,} bytes  {out / p}  sha256 {part['sha256'][:16]}"
+        )
+    print(f"train with: python -m trmoe.train data=tokens data.path={out}")
+
+
+def _verify(paths: list[str]) -> None:
+    for spec in paths:
+        root = Path(spec).expanduser().resolve()
+        shards = [root] if (root / INDEX_NAME).exists() else [root / p for p in PARTITIONS]
+        if not (root / INDEX_NAME).exists() and not all((d / INDEX_NAME).exists() for d in shards):
+            read_index(root)  # raises the precise error (missing directory / index)
+        for shard in shards:
+            index = read_index(shard)
+            scan = verify_shard(shard, index=index)
+            print(
+                f"ok {shard}: {index['partition']}, {scan['num_tokens']:,} tokens ({index['dtype']}), "
+                f"{index['documents']:,} documents, max id {scan['max_token_id']}, sha256 {scan['sha256']}"
+            )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trmoe.data.prepare",
+        description="Tokenize text into a train/eval pair of o200k token shards (docs/data.md). "
+        "`python -m trmoe.data.prepare verify DIR...` checks shards.",
+    )
+    parser.add_argument(
+        "input", help="a UTF-8 text file, a directory of .txt/.jsonl/.parquet files, or a glob"
+    )
+    parser.add_argument("--out", required=True, help="output dataset directory (gets train/ and eval/)")
+    parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
+    parser.add_argument(
+        "--separator", default=None, help="document separator in text files (default: blank lines)"
+    )
+    parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out")
+    parser.add_argument(
+        "--split-seed", type=int, default=0, help="salt of the document hash that assigns splits"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (0 = inline)"
+    )
+    parser.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing prepared dataset in --out"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["verify"]:
+            verify = argparse.ArgumentParser(prog="python -m trmoe.data.prepare verify")
+            verify.add_argument("paths", nargs="+", help="shard directories or prepared dataset directories")
+            _verify(verify.parse_args(argv[1:]).paths)
+            return
+        args = _parser().parse_args(argv)
+        summary = prepare(
+            args.input,
+            args.out,
+            text_field=args.text_field,
+            separator=args.separator,
+            eval_fraction=args.eval_fraction,
+            split_seed=args.split_seed,
+            workers=args.workers,
+            progress=args.progress,
+            overwrite=args.overwrite,
+        )
+        _print_summary(Path(args.out).expanduser().resolve(), summary)
+    except UserError as exc:
+        print(f"trmoe.data.prepare: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("trmoe.data.prepare: interrupted; partial files removed", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""`python -m trmoe.match [OVERRIDE ...] [--arm "OVERRIDES"] ...`: solved widths and parameter counts of every
+arm of a grid, before anything is launched.
+
+The arms are every combination of the grid's `hydra.sweeper.params` (from `experiment=<name>`) and of the
+comma-separated sweep overrides on the command line (`attention=gqa,mha`), each extended by every `--arm`
+(a quoted list of overrides) when some are given. Each arm is composed and resolved exactly as
+`python -m trmoe.train` would do it, so `model.match_params` is solved per arm:
+
+    python -m trmoe.match experiment=attention_matched
+    python -m trmoe.match model=100m model.gates=false model.match_params=99487680 \
+        --arm "model.num_experts=1 routing.top_k=1 model.routed_width=0" --arm "model.routed_width=256"
+
+Exit code 2 when an arm does not resolve (its row shows the error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trmoe.errors import UserError
+
+
+def expand_arms(overrides: list[str], arms: list[str]) -> list[list[str]]:
+    """The override list of every arm, in launch order (the basic sweeper's cartesian product)."""
+    from hydra import compose, initialize_config_module
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import trmoe.config.schema  # noqa: F401  (registers the schemas)
+
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(overrides)
+    except Exception as e:
+        raise UserError(f"match: bad override: {str(e).splitlines()[0]}") from None
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+            cfg = compose("config", overrides=fixed, return_hydra_config=True)
+    except Exception as e:
+        raise UserError(f"match: {str(e).splitlines()[0]}") from None
+    params = cfg.hydra.sweeper.params or {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
+    jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
+    if not arms:
+        return [list(job) for job in jobs]
+    return [[*job, *arm.split()] for job in jobs for arm in arms]
+
+
+def _ffn_text(spec) -> str:
+    if spec.num_experts == 1 or not spec.routed_width:
+        return f"dense {spec.shared_width + spec.routed_width}"
+    routes = f"top-{spec.top_k}" + (f" p={spec.primary_weight:g}" if spec.top_k > 1 else "")
+    return f"{spec.shared_width} + {spec.num_experts}x{spec.expert_width}, {routes}"
+
+
+def solve_arm(overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_module
+
+    from trmoe.config.match import solve_match
+    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.model.transformer import parameter_counts
+
+    row: dict = {"overrides": overrides}
+    try:
+        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+            raw = compose("config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+        cfg = to_config(raw)
+    except UserError as e:
+        return {**row, "error": str(e)}
+    except Exception as e:  # a composition error names the bad override
+        return {**row, "error": str(e).splitlines()[0]}
+    spec = model_spec(cfg)
+    counts = parameter_counts(spec)
+    match = solve_match(cfg)
+    row.update(
+        attention=f"{cfg.attention.kind.value} {spec.num_heads}/{spec.num_kv_heads}",
+        ffn=_ffn_text(spec),
+        shared_width=spec.shared_width,
+        routed_width=spec.routed_width,
+        total=counts.total,
+        active=counts.active,
+        match=None if match is None else match.to_dict(),
+    )
+    return row
+
+
+def _label(rows: list[dict]) -> list[str]:
+    """Each arm by the overrides that differ between arms; the shared ones are printed once above."""
+    sets = [dict(o.split("=", 1) if "=" in o else (o, "") for o in r["overrides"]) for r in rows]
+    keys = list(dict.fromkeys(k for s in sets for k in s))
+    varying = [k for k in keys if len({s.get(k) for s in sets}) > 1] or keys
+    return [" ".join(f"{k}={s[k]}" for k in varying if k in s) or "(defaults)" for s in sets]
+
+
+def render(rows: list[dict]) -> str:
+    labels = _label(rows)
+    common = (
+        [o for o in rows[0]["overrides"] if all(o in r["overrides"] for r in rows)] if len(rows) > 1 else []
+    )
+    header = ["arm", "attention", "FFN", "solved", "residual", "total", "active"]
+    table = []
+    for label, row in zip(labels, rows, strict=True):
+        if "error" in row:
+            table.append([label, "error: " + row["error"], "", "", "", "", ""])
+            continue
+        m = row["match"]
+        solved = "-" if m is None else f"{m['field']}={m['width']}"
+        residual = "-" if m is None else ("0 (exact)" if m["residual"] == 0 else f"{m['residual']:+,}")
+        table.append(
+            [label, row["attention"], row["ffn"], solved, residual, f"{row['total']:,}", f"{row['active']:,}"]
+        )
+    widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]
+    lines = []
+    if len(rows) > 1 and common and len(common) < len(rows[0]["overrides"]):
+        lines.append("common overrides: " + " ".join(common))
+    for r in [header, *table]:
+        lines.append(
+            "  ".join(
+                str(c).ljust(w) if i < 4 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trmoe.match",
+        description="Solved widths and total/active parameters of every arm, before launching.",
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm; a,b sweeps them")
+    parser.add_argument("--arm", "-a", action="append", default=[], help='one arm: "key=value key=value"')
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    try:
+        arms = expand_arms(args.overrides, args.arm)
+    except UserError as e:
+        print(f"trmoe: {e}", file=sys.stderr)
+        return e.exit_code
+    rows = [solve_arm(a) for a in arms]
+    print(json.dumps(rows, indent=2) if args.json else render(rows), end="" if not args.json else "\n")
+    return 2 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`python -m trmoe.report <run dir | multirun dir> ... [--control "arm=..."] [--out DIR]`
+
+Reads every run under the given directories and writes report.md, report.csv, report_pairs.csv and
+plots/*.png next to them (the one directory given, else the deepest directory holding them all), and prints
+the Markdown. The control arm defaults to the one the grid names (hydra.callbacks.report.control), else the
+only dense arm, else the first arm. Exit code 2 when there is nothing to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trmoe.errors import UserError
+from trmoe.report.build import REPORT_MD, build_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trmoe.report", description=__doc__.split("\n\n")[1])
+    parser.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write the report here (default: next to the runs)"
+    )
+    parser.add_argument(
+        "--control", default=None, help='the arm to compare against, as its swept overrides: "arm=topk/dense"'
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak FLOP/s per device (in TFLOP/s) for MFU on any device",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
+    args = parser.parse_args(argv)
+    try:
+        rep = build_report(args.paths, args.out, args.control, args.peak_tflops, not args.no_plots)
+    except UserError as e:
+        print(f"trmoe: {e}", file=sys.stderr)
+        return e.exit_code
+    if not args.quiet:
+        print(rep.markdown, end="")
+    print(f"trmoe: report written to {rep.folder / REPORT_MD}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Build a report from run directories: report.md, report.csv, report_pairs.csv and plots/ in one folder."""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trmoe.errors import UserError
+from trmoe.report import plots
+from trmoe.report.checks import CheckItem, check
+from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
+from trmoe.report.runs import Run, common_root, load_runs
+from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
+
+REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
+# report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
+RUN_COLUMNS = (
+    "seed", "status", "error", "params_total", "params_active", "match_field", "match_width",
+    "match_residual", "tokens", "final_eval_loss", "best_eval_loss", "eval_bpb", "eval_bpb_estimated",
+    "train_loss", "median_tok_s", "mfu",
+)  # fmt: skip
+
+
+@dataclass
+class Report:
+    folder: Path
+    runs: list[Run]
+    summaries: dict[str, Summary]
+    arms: list[Arm]
+    control: Arm | None
+    control_note: str
+    pairs: list[Pair]
+    warnings: list[str]
+    checklist: list[CheckItem]
+    plots: list[Path] = field(default_factory=list)
+    plots_note: str = ""
+    markdown: str = ""
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _int(value: int | None) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _match_cell(run: Run) -> str:
+    m = run.record.get("param_match")
+    if not m:
+        return "-"
+    residual = "exact" if m.get("residual") == 0 else f"residual {m.get('residual'):+,}"
+    return f"{m.get('field')}={m.get('width')} ({residual})"
+
+
+def _status_cell(run: Run) -> str:
+    if run.status == "failed":
+        return f"failed: {run.error or 'no error line'}"
+    if run.error:  # e.g. preempted: why it stopped
+        return f"{run.status}: {run.error}"
+    return run.status + (" (inferred)" if run.status_inferred else "")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(rep: Report, title: str) -> str:
+    runs, arms = rep.runs, rep.arms
+    finished = sum(r.status == "finished" for r in runs)
+    keys = swept_keys(runs)
+    lines = [
+        f"# Report: {title}",
+        "",
+        f"{len(runs)} runs ({finished} finished) in {len(arms)} arms; swept keys: "
+        + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
+        + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; {rep.control_note}.",
+        f"Written by `python -m trmoe.report` on {time.strftime('%Y-%m-%d %H:%M')}.",
+        "",
+        "## Warnings",
+        "",
+    ]
+    if rep.warnings:
+        lines += [f"- **{w}**" for w in rep.warnings]
+    else:
+        lines.append(
+            "None: beyond the swept keys, the runs match on every item of the comparability checklist below."
+        )
+    estimated = any(s.bpb_estimated for s in rep.summaries.values())
+    lines += ["", "## Runs", ""]
+    bpb = "eval bpb" + (" *" if estimated else "")
+    header = ["run", "arm", "seed", "status", "params", "active", "matched width", "tokens", "final eval"]
+    header += ["best eval", bpb, "train loss", "tok/s", "MFU"]
+    rows = []
+    for arm in arms:
+        for run in arm.runs:
+            s = rep.summaries[run.name]
+            rows.append(
+                [
+                    run.name,
+                    arm.label,
+                    str(run.seed) if run.seed is not None else "n/a",
+                    _status_cell(run),
+                    _int(s.params_total),
+                    _int(s.params_active),
+                    _match_cell(run),
+                    _int(s.tokens),
+                    _num(s.final_eval),
+                    _num(s.best_eval),
+                    _num(s.eval_bpb),
+                    _num(s.train_loss),
+                    "n/a" if s.median_tok_s is None else f"{s.median_tok_s:,.0f}",
+                    "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%",
+                ]
+            )
+    lines += _table(header, rows)
+    lines += [
+        "",
+        "Losses are cross-entropy in nats per token on the fixed held-out batches (final = last "
+        f"evaluation). tok/s is the median of the logged windows after step {THROUGHPUT_WARMUP_STEPS}, "
+        "evaluation rows left out. MFU needs a known peak: a bf16 GPU datasheet or `--peak-tflops`; "
+        "n/a otherwise.",
+    ]
+    if estimated:
+        lines.append(
+            "\\* bits per byte estimated as final eval loss / ln 2 x tokens per byte of the held-out split "
+            "(the run did not record `eval_bpb`)."
+        )
+
+    lines += ["", "## Paired comparison with the control", ""]
+    if rep.control is None:
+        lines.append(f"No control arm: {rep.control_note}.")
+    elif not rep.pairs:
+        lines.append("Only one arm: nothing to compare.")
+    else:
+        lines.append(
+            f"Δ = final held-out loss of the arm minus that of `{rep.control.label}` on the same seed; the "
+            "mean over seeds and its 95% Student-t interval. An interval that contains 0 cannot be told from "
+            "seed noise."
+        )
+        lines.append("")
+        prow = []
+        for p in rep.pairs:
+            ci = p.interval
+            prow.append(
+                [
+                    p.arm.label,
+                    str(p.n),
+                    _num(p.control_mean),
+                    _num(p.arm_mean),
+                    "n/a" if p.mean is None else f"{p.mean:+.4f}",
+                    "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                    ", ".join(f"{s}: {d:+.4f}" for s, d in zip(p.seeds, p.deltas, strict=True)) or "-",
+                    p.verdict,
+                ]
+            )
+        lines += _table(
+            ["arm", "seeds", "control loss", "arm loss", "mean Δ", "95% interval", "Δ per seed", "reading"],
+            prow,
+        )
+
+    lines += ["", "## Comparability checklist", ""]
+    lines.append(
+        "Checked against the reproducible-comparison checklist. *differs by the swept keys*: the sweep made "
+        "the difference (every other override is shared). **DIFFERS**: a warning above."
+    )
+    lines.append("")
+    lines += _table(
+        ["item", "status", "details"],
+        [
+            [c.title, f"**{c.status}**" if c.status == "DIFFERS" else c.status, c.detail]
+            for c in rep.checklist
+        ],
+    )
+
+    failed = [r for r in runs if r.status == "failed"]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        lines += _table(
+            ["run", "overrides", "error"], [[r.name, " ".join(r.overrides), r.error or "-"] for r in failed]
+        )
+
+    lines += ["", "## Plots", ""]
+    if rep.plots:
+        # The grid-level plots inline; one loss plot (and expert-share map) per run as links.
+        per_run = [p for p in rep.plots if p.stem.startswith(("run_", "shares_"))]
+        for path in rep.plots:
+            if path not in per_run:
+                lines += [f"![{path.stem}]({path.relative_to(rep.folder).as_posix()})", ""]
+        if per_run:
+            links = ", ".join(f"[{p.stem}]({p.relative_to(rep.folder).as_posix()})" for p in per_run)
+            lines.append(f"Per run: {links}.")
+    else:
+        lines.append(rep.plots_note or "No plots.")
+    return "\n".join(lines) + "\n"
+
+
+def _runs_csv(rep: Report) -> str:
+    keys = arm_keys(rep.runs)
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS])
+    for arm in rep.arms:
+        for run in arm.runs:
+            s, m = rep.summaries[run.name], run.record.get("param_match") or {}
+            writer.writerow(
+                [run.name, str(run.path), arm.label, *[run.value_of(k) for k in keys], run.seed, run.status]
+                + [run.error or "", s.params_total, s.params_active, m.get("field"), m.get("width")]
+                + [m.get("residual"), s.tokens, s.final_eval, s.best_eval, s.eval_bpb, s.bpb_estimated]
+                + [s.train_loss, s.median_tok_s, s.mfu]
+            )
+    return buf.getvalue()
+
+
+def _pairs_csv(rep: Report) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(
+        ["arm", "control", "n_seeds", "seeds", "control_mean", "arm_mean", "mean_delta", "ci95_low"]
+        + ["ci95_high", "verdict"]
+    )
+    for p in rep.pairs:
+        ci = p.interval or (None, None)
+        control = rep.control.label if rep.control else ""
+        seeds = " ".join(map(str, p.seeds))
+        writer.writerow(
+            [p.arm.label, control, p.n, seeds, p.control_mean, p.arm_mean, p.mean, *ci, p.verdict]
+        )
+    return buf.getvalue()
+
+
+def default_folder(paths: list[Path]) -> Path:
+    """Next to the runs: the one directory given, or the deepest directory that holds them all."""
+    if len(paths) == 1:
+        return paths[0]
+    return common_root(paths)
+
+
+def build_report(
+    paths: list[Path],
+    folder: Path | None = None,
+    control: str | None = None,
+    peak_tflops: float | None = None,
+    make_plots: bool = True,
+) -> Report:
+    """Read the runs under `paths` and write the report files into `folder` (default: next to them)."""
+    missing = [str(p) for p in paths if not p.is_dir()]
+    if missing:
+        raise UserError(f"report: not a directory: {', '.join(missing)}")
+    folder = folder or default_folder(paths)
+    runs = load_runs(paths)
+    if not runs:
+        raise UserError(
+            f"report: no runs under {', '.join(map(str, paths))} (a run directory holds run_config.json or "
+            "status.json)"
+        )
+    peak = peak_tflops * 1e12 if peak_tflops else None
+    summaries = {r.name: summarize(r, peak) for r in runs}
+    arms = group_arms(runs)
+    spec = control or next((r.control for r in runs if r.control), None)
+    control_arm, control_note = pick_control(arms, spec)
+    pairs = paired(arms, control_arm, summaries) if control_arm is not None else []
+    warnings, checklist = check(runs, arms, summaries)
+    if spec and control_arm is None:
+        warnings.insert(0, control_note)
+    rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if not make_plots:
+        rep.plots_note = "Plots were not requested (--no-plots)."
+    elif not plots.available():
+        rep.plots_note = "No plots: matplotlib is not installed (`pip install 'trmoe[report]'`)."
+    else:
+        rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR)
+    title = str(paths[0]) if len(paths) == 1 else f"{len(paths)} paths under {folder}"
+    rep.markdown = render_markdown(rep, title)
+    (folder / REPORT_MD).write_text(rep.markdown)
+    (folder / REPORT_CSV).write_text(_runs_csv(rep))
+    (folder / PAIRS_CSV).write_text(_pairs_csv(rep))
+    return rep

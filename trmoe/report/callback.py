@@ -1,0 +1,34 @@
+"""The Hydra callback that writes the sweep report when a local --multirun ends (conf/config.yaml:
+hydra.callbacks.report). Hydra instantiates it for every run, so this module imports nothing heavy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+class ReportCallback(Callback):
+    def __init__(self, control: str | None = None, enabled: bool = True) -> None:
+        self.control = control  # the grid's control arm, e.g. "arm=routing_ablation/dense"
+        self.enabled = enabled
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+        from trmoe.report.build import REPORT_MD, build_report
+
+        try:
+            rep = build_report([sweep_dir], sweep_dir, control=self.control)
+        except Exception as e:  # the runs are written; a report problem must not hide them
+            print(f"trmoe: the sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return
+        for warning in rep.warnings:
+            print(f"trmoe: report warning: {warning}", file=sys.stderr)
+        print(f"trmoe: sweep report: {sweep_dir / REPORT_MD}", file=sys.stderr)

@@ -1,0 +1,163 @@
+"""Arms and paired comparisons.
+
+An arm is one combination of the swept overrides other than the seed (`arm=routing_ablation/dense`,
+`routing=random attention=mha`, ...). Each arm is compared with the control arm run by run on the same seed:
+the paired difference in final held-out loss, its mean over seeds and a 95% Student-t interval. Pairing
+removes what a seed does to both arms alike (data order, initialisation), so the interval is about the arm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
+from trmoe.report.summary import Summary
+from trmoe.train.status import FINISHED
+
+# Two-sided 95% Student-t quantiles for 1..30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)  # fmt: skip
+
+
+def t975(df: int) -> float:
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964  # Cornish-Fisher: accurate to ~1e-3 beyond 30 degrees of freedom
+    return z + (z**3 + z) / (4 * df)
+
+
+def swept_keys(runs: list[Run]) -> list[str]:
+    """Keys swept by the launches (multirun directories) of these runs, in order of appearance. A key that
+    differs between separate launches is not swept: the comparability check reports it."""
+    keys: list[str] = []
+    for run in runs:
+        keys += [k for k in run.sweep.swept if not is_hidden_key(k)]
+    return list(dict.fromkeys(keys))
+
+
+@dataclass
+class Arm:
+    label: str
+    values: dict[str, str]  # swept key -> value, the seed left out
+    runs: list[Run]
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted(r.seed for r in self.runs if r.status == FINISHED and r.seed is not None)
+
+
+def arm_keys(runs: list[Run]) -> list[str]:
+    return [k for k in swept_keys(runs) if k != SEED_KEY]
+
+
+def group_arms(runs: list[Run]) -> list[Arm]:
+    keys = arm_keys(runs)
+    arms: dict[tuple, Arm] = {}
+    for run in runs:
+        values = {k: run.value_of(k) for k in keys}
+        ident = tuple(values.items()) if keys else (run.name,)
+        if ident not in arms:
+            label = " ".join(f"{k}={v}" for k, v in values.items()) if keys else run.name
+            arms[ident] = Arm(label, values, [])
+        arms[ident].runs.append(run)
+    return list(arms.values())
+
+
+def _is_dense(arm: Arm) -> bool:
+    runs = [r for r in arm.runs if r.config]
+    return bool(runs) and all(
+        r.config_value("model.num_experts") == 1 or r.config_value("model.routed_width") == 0 for r in runs
+    )
+
+
+def pick_control(arms: list[Arm], spec: str | None) -> tuple[Arm | None, str]:
+    """The control arm and how it was chosen. spec: overrides the arm must have ("arm=topk/dense"), its
+    label, or the name of one of its runs (separate runs have no swept overrides)."""
+    if spec:
+        wanted = override_dict(spec.split())
+
+        def is_match(arm: Arm) -> bool:
+            if spec == arm.label or spec in {r.name for r in arm.runs}:
+                return True
+            return bool(arm.values) and all(arm.values.get(override_key(k)) == v for k, v in wanted.items())
+
+        matches = [a for a in arms if is_match(a)]
+        if len(matches) == 1:
+            return matches[0], "named by the grid or --control"
+        if not matches:
+            return None, f"no arm matches the requested control `{spec}`"
+        return matches[0], f"`{spec}` matches {len(matches)} arms; the first is used"
+    dense = [a for a in arms if _is_dense(a)]
+    if len(dense) == 1 and len(arms) > 1:
+        return dense[0], "chosen as the only dense arm (E=1 or no routed experts)"
+    if arms:
+        return arms[0], "the first arm, as no control was named (--control)"
+    return None, "no runs"
+
+
+@dataclass
+class Pair:
+    arm: Arm
+    seeds: list[int]  # seeds both arms finished
+    deltas: list[float]  # arm - control, per seed
+    arm_mean: float | None
+    control_mean: float | None
+
+    @property
+    def n(self) -> int:
+        return len(self.deltas)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.deltas) if self.deltas else None
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        if self.n < 2:
+            return None
+        half = t975(self.n - 1) * statistics.stdev(self.deltas) / math.sqrt(self.n)
+        return self.mean - half, self.mean + half
+
+    @property
+    def verdict(self) -> str:
+        if self.n == 0:
+            return "no common finished seed"
+        ci = self.interval
+        if ci is None:
+            return "one seed: no interval, cannot be told from noise"
+        if ci[0] > 0:
+            return "higher than control"
+        if ci[1] < 0:
+            return "lower than control"
+        return "within noise (the interval contains 0)"
+
+
+def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list[Pair]:
+    def by_seed(arm: Arm) -> dict[int, float]:
+        out = {}
+        for run in arm.runs:
+            loss = summaries[run.name].final_eval
+            if run.status == FINISHED and run.seed is not None and loss is not None:
+                out[run.seed] = loss
+        return out
+
+    base = by_seed(control)
+    pairs = []
+    for arm in arms:
+        if arm is control:
+            continue
+        mine = by_seed(arm)
+        seeds = sorted(set(mine) & set(base))
+        pairs.append(
+            Pair(
+                arm=arm,
+                seeds=seeds,
+                deltas=[mine[s] - base[s] for s in seeds],
+                arm_mean=statistics.fmean(mine[s] for s in seeds) if seeds else None,
+                control_mean=statistics.fmean(base[s] for s in seeds) if seeds else None,
+            )
+        )
+    return pairs

@@ -1,0 +1,212 @@
+"""PNG plots of a report (matplotlib, the optional `report` extra): loss vs tokens per run and overlaid,
+throughput, paired differences, and expert shares per layer when a run recorded telemetry."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+from trmoe.report.compare import Arm, Pair
+from trmoe.report.runs import Run
+from trmoe.report.summary import throughput_rows
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
+
+
+def _colors(arms: list[Arm]) -> dict[str, tuple]:
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
+    return {arm.label: cmap(i % cmap.N) for i, arm in enumerate(arms)}
+
+
+def _xy(run: Run, column: str) -> tuple[list[float], list[float]]:
+    rows = [(t, v) for _, t, v in run.series(column) if math.isfinite(t)]
+    return [t for t, _ in rows], [v for _, v in rows]
+
+
+def plot_run(run: Run, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for column, style in (("train_loss", "-"), ("eval_loss", "o-")):
+        x, y = _xy(run, column)
+        if x:
+            ax.plot(x, y, style, label=column.replace("_", " "), markersize=3)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(run.name, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_overlay(arms: list[Arm], path: Path) -> None:
+    """Train and held-out loss of every run, one colour per arm (seeds of an arm share it)."""
+    plt = _pyplot()
+    colors = _colors(arms)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, column, title in ((axes[0], "train_loss", "train loss"), (axes[1], "eval_loss", "held-out loss")):
+        for arm in arms:
+            for i, run in enumerate(arm.runs):
+                x, y = _xy(run, column)
+                if x:
+                    label = arm.label if i == 0 else None
+                    style = "-" if column == "train_loss" else "o-"
+                    ax.plot(x, y, style, color=colors[arm.label], label=label, markersize=3, linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("cross-entropy (nats/token)")
+    handles, labels = axes[1].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
+        fig.subplots_adjust(bottom=0.12 + 0.05 * math.ceil(len(labels) / 3), top=0.92, wspace=0.05)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(arms: list[Arm], path: Path) -> None:
+    plt = _pyplot()
+    colors = _colors(arms)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for arm in arms:
+        for i, run in enumerate(arm.runs):
+            rows = throughput_rows(run)
+            if rows:
+                steps, values = [s for s, _, _ in rows], [v for _, _, v in rows]
+                label = arm.label if i == 0 else None
+                ax.plot(steps, values, ".-", color=colors[arm.label], label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s (logging window)")
+    ax.set_title("throughput (warm-up and evaluation rows left out)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_pairs(pairs: list[Pair], control: Arm, path: Path) -> None:
+    """Mean paired difference of held-out loss per arm, with its 95% interval where there are 2+ seeds."""
+    plt = _pyplot()
+    shown = [p for p in pairs if p.mean is not None]
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(1, len(shown))))
+    for i, pair in enumerate(shown):
+        ci = pair.interval
+        if ci:
+            ax.plot(ci, [i, i], "-", color="tab:blue", linewidth=2)
+        ax.plot([pair.mean], [i], "o", color="tab:blue")
+    ax.axvline(0.0, color="gray", linewidth=1)
+    ax.set_yticks(range(len(shown)), [p.arm.label for p in shown], fontsize=7)
+    ax.invert_yaxis()  # first arm on top, as in the table
+    ax.set_xlabel("held-out loss minus control (mean over seeds, 95% t interval)")
+    ax.set_title(f"control: {control.label}", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _share_columns(columns: list[str]) -> list[str]:
+    return [c for c in columns if re.search(r"share", c) and re.search(r"\d+$", c)]
+
+
+def telemetry_shares(run: Run) -> tuple[list[int], list[str], list[list[float]]] | None:
+    """Per-layer expert shares of the last logged step of telemetry.csv, if the run wrote one with a
+    `layer` column and per-expert share columns (`..share..<e>`)."""
+    path = run.path / "telemetry.csv"
+    if not path.is_file():
+        return None
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "layer" not in rows[0]:
+        return None
+    columns = _share_columns(list(rows[0]))
+    if not columns:
+        return None
+    last_step = rows[-1].get("step")
+    last = [r for r in rows if r.get("step") == last_step]
+    layers, values = [], []
+    for row in last:
+        try:
+            layers.append(int(float(row["layer"])))
+            values.append([float(row[c]) if row[c] not in ("", None) else math.nan for c in columns])
+        except (ValueError, KeyError):
+            continue
+    return (layers, columns, values) if layers else None
+
+
+def plot_shares(run: Run, path: Path) -> bool:
+    shares = telemetry_shares(run)
+    if shares is None:
+        return False
+    layers, columns, values = shares
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.5 + 0.5 * len(columns), 1 + 0.4 * len(layers)))
+    image = ax.imshow(values, aspect="auto", cmap="viridis")
+    if len(columns) <= 16 and len(layers) <= 32:  # small enough to print each share
+        for row, shares_row in enumerate(values):
+            for col, share in enumerate(shares_row):
+                ax.text(col, row, f"{share:.2f}", ha="center", va="center", fontsize=6, color="white")
+    ax.set_xticks(range(len(columns)), [re.search(r"(\d+)$", c).group(1) for c in columns])
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(f"expert token shares, last step ({run.name})", fontsize=8)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_plots(
+    runs: list[Run], arms: list[Arm], pairs: list[Pair], control: Arm | None, folder: Path
+) -> list[Path]:
+    """Every plot of the report under folder/; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    overlay = folder / "loss_vs_tokens.png"
+    plot_overlay(arms, overlay)
+    written.append(overlay)
+    throughput = folder / "tok_s.png"
+    plot_throughput(arms, throughput)
+    written.append(throughput)
+    if control is not None and any(p.mean is not None for p in pairs):
+        deltas = folder / "paired_deltas.png"
+        plot_pairs(pairs, control, deltas)
+        written.append(deltas)
+    for run in runs:
+        if run.series("train_loss") or run.series("eval_loss"):
+            path = folder / f"run_{_safe(run.name)}.png"
+            plot_run(run, path)
+            written.append(path)
+        shares = folder / f"shares_{_safe(run.name)}.png"
+        if plot_shares(run, shares):
+            written.append(shares)
+    return written

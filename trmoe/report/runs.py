@@ -1,0 +1,246 @@
+"""Read run directories: run_config.json, metrics.csv, status.json, .hydra/ and the sweep's multirun.yaml.
+
+Everything is optional: a run that failed before training has only status.json; metrics columns are read by
+name, and a column a run did not record reads as missing (the report shows n/a).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from trmoe.train.status import FINISHED, RUNNING, read_status
+
+RUN_MARKERS = ("run_config.json", "status.json")
+SEED_KEY = "trainer.seed"
+# Overrides that never define an arm: where the run is written and how it is displayed.
+IGNORED_KEYS = ("run.name", "run.progress")
+
+
+def _natural(path: Path) -> tuple:
+    """Sort key with numbers compared as numbers: multirun job 10 after job 9."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run directories: the given paths that are runs, and every run below the others."""
+    found: set[Path] = set()
+    for path in paths:
+        if any((path / marker).is_file() for marker in RUN_MARKERS):
+            found.add(path)
+            continue
+        for marker in RUN_MARKERS:
+            found.update(p.parent for p in path.rglob(marker))
+    return sorted(found, key=_natural)
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def override_dict(overrides: list[str]) -> dict[str, str]:
+    return {override_key(o): o.split("=", 1)[1] if "=" in o else "" for o in overrides}
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # a missing or unreadable file is a missing record, not a crash of the report
+        return None
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text not in (None, "") else math.nan
+    except ValueError:
+        return math.nan
+
+
+@dataclass
+class Sweep:
+    """The launch a run belongs to: one multirun directory, or the run itself when it was a single run."""
+
+    path: Path
+    swept: list[str]  # keys whose values vary between the jobs of this launch
+    control: str | None = None
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Swept keys of a multirun: hydra.sweeper.params plus the command-line overrides with sweep syntax."""
+    cfg = _load_yaml(path / "multirun.yaml") or {}
+    hydra = cfg.get("hydra", {}) if isinstance(cfg, dict) else {}
+    swept = [override_key(k) for k in ((hydra.get("sweeper") or {}).get("params") or {})]
+    task = ((hydra.get("overrides") or {}).get("task")) or []
+    if task:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            parsed = OverridesParser.create().parse_overrides(list(task))
+            swept += [override_key(o.get_key_element()) for o in parsed if o.is_sweep_override()]
+        except Exception:  # an override the plain parser cannot read (glob of a group): fall back to commas
+            swept += [override_key(o) for o in task if "," in o.split("=", 1)[-1]]
+    control = ((hydra.get("callbacks") or {}).get("report") or {}).get("control")
+    return Sweep(path, list(dict.fromkeys(swept)), control)
+
+
+def find_sweep_dir(run_dir: Path, levels: int = 3) -> Path | None:
+    for parent in list(run_dir.parents)[:levels]:
+        if (parent / "multirun.yaml").is_file():
+            return parent
+    return None
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str  # the run's label in the report: its path relative to the report directory
+    record: dict  # run_config.json ({} when the run failed before writing it)
+    status: str  # finished | failed | running
+    error: str | None
+    overrides: list[str]  # the job's task overrides
+    choices: dict[str, str]  # Hydra's runtime.choices: config group -> option
+    control: str | None  # hydra.callbacks.report.control recorded with the run
+    sweep: Sweep
+    columns: list[str] = field(default_factory=list)
+    rows: list[dict[str, float]] = field(default_factory=list)
+    status_inferred: bool = False
+
+    @property
+    def config(self) -> dict:
+        return self.record.get("config") or {}
+
+    def config_value(self, dotted: str) -> Any:
+        node: Any = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    @property
+    def seed(self) -> int | None:
+        value = override_dict(self.overrides).get(SEED_KEY)
+        if value is None:
+            value = self.config_value(SEED_KEY)
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            return None
+
+    def value_of(self, key: str) -> str:
+        """The run's value of a swept key: its override, else the config value or group choice."""
+        overrides = override_dict(self.overrides)
+        if key in overrides:
+            return overrides[key]
+        if key in self.choices:
+            return str(self.choices[key])
+        value = self.config_value(key)
+        return "(default)" if value is None else str(value)
+
+    def series(self, column: str) -> list[tuple[float, float, float]]:
+        """(step, tokens, value) of the rows where the column holds a finite value."""
+        out = []
+        for row in self.rows:
+            value = row.get(column, math.nan)
+            if math.isfinite(value):
+                out.append((row.get("step", math.nan), row.get("tokens", math.nan), value))
+        return out
+
+    def has_column(self, column: str) -> bool:
+        return column in self.columns
+
+
+def _read_metrics(path: Path) -> tuple[list[str], list[dict[str, float]]]:
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [{k: _float(v) for k, v in row.items() if k is not None} for row in reader]
+            return list(reader.fieldnames or []), rows
+    except OSError:
+        return [], []
+
+
+def _relative_name(path: Path, root: Path) -> str:
+    try:
+        name = str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        name = str(path)
+    return name if name != "." else path.name
+
+
+def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
+    record: dict = {}
+    try:
+        record = json.loads((path / "run_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    status_record = read_status(path) or {}
+    overrides = _load_yaml(path / ".hydra" / "overrides.yaml")
+    if not isinstance(overrides, list):
+        overrides = list(status_record.get("overrides") or [])
+    hydra_cfg = _load_yaml(path / ".hydra" / "hydra.yaml") or {}
+    hydra = hydra_cfg.get("hydra", {}) if isinstance(hydra_cfg, dict) else {}
+    choices = {k: v for k, v in ((hydra.get("runtime") or {}).get("choices") or {}).items() if v is not None}
+    control = ((hydra.get("callbacks") or {}).get("report") or {}).get("control")
+    columns, rows = _read_metrics(path / "metrics.csv")
+
+    sweep_dir = find_sweep_dir(path)
+    if sweep_dir is None:
+        sweep = Sweep(path, [])
+    else:
+        if sweep_dir not in sweeps:
+            sweeps[sweep_dir] = load_sweep(sweep_dir)
+        sweep = sweeps[sweep_dir]
+
+    # status.json says finished / failed / running, or another state its writer knows (e.g. preempted).
+    status, error, inferred = status_record.get("status"), status_record.get("error"), False
+    if not isinstance(status, str) or not status:
+        # Runs written before status.json existed: finished when the last logged step is the last step.
+        steps = (record.get("config") or {}).get("trainer", {}).get("steps")
+        last = max((r.get("step", math.nan) for r in rows), default=math.nan)
+        status = FINISHED if steps is not None and last == steps else RUNNING
+        inferred = True
+    return Run(
+        path=path,
+        name=_relative_name(path, root),
+        record=record,
+        status=status,
+        error=error,
+        overrides=[str(o) for o in overrides],
+        choices={str(k): str(v) for k, v in choices.items()},
+        control=control or sweep.control,
+        sweep=sweep,
+        columns=columns,
+        rows=rows,
+        status_inferred=inferred,
+    )
+
+
+def common_root(paths: list[Path]) -> Path:
+    """The deepest directory that holds every path."""
+    resolved = [p.resolve() for p in paths]
+    root = resolved[0]
+    while not all(p == root or root in p.parents for p in resolved):
+        root = root.parent
+    return root
+
+
+def load_runs(paths: list[Path]) -> list[Run]:
+    """Every run under paths, named by its path relative to the directory that holds them all (a sweep's
+    jobs: their job numbers)."""
+    found = find_runs(paths)
+    root = common_root(found) if found else Path(".")
+    sweeps: dict[Path, Sweep] = {}
+    return [load_run(p, root, sweeps) for p in found]
+
+
+def is_hidden_key(key: str) -> bool:
+    """Overrides of Hydra itself (hydra.*, hydra/launcher=...) and of run naming never define an arm."""
+    return re.split(r"[./]", key, maxsplit=1)[0] == "hydra" or key in IGNORED_KEYS

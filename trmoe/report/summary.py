@@ -1,0 +1,108 @@
+"""The figures of one run: held-out loss (final, best), bits per byte, train loss, throughput and MFU."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from trmoe.report.runs import Run
+
+# Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
+# cache warm-up), leaving out the rows of evaluation steps.
+THROUGHPUT_WARMUP_STEPS = 10
+
+# Dense bf16 datasheet peaks (FLOP/s per device), used only for bf16/fp16 runs on these GPUs. Elsewhere MFU is
+# n/a unless a peak is given (`--peak-tflops`, e.g. one measured with `python -m trmoe.bench step`).
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "MI300X": 1307e12}
+
+
+@dataclass
+class Summary:
+    final_eval: float | None
+    best_eval: float | None
+    eval_bpb: float | None
+    bpb_estimated: bool  # True: from the held-out split's bytes per token, not recorded by the run
+    train_loss: float | None
+    median_tok_s: float | None
+    tok_s_rows: list[int]  # the steps whose windows the median is taken over
+    mfu: float | None
+    tokens: int | None  # tokens trained so far (the last logged row)
+    params_total: int | None
+    params_active: int | None
+
+
+def _last(values: list[tuple[float, float, float]]) -> float | None:
+    return values[-1][2] if values else None
+
+
+def throughput_rows(run: Run) -> list[tuple[float, float, float]]:
+    """(step, tokens, tok/s) of the rows the throughput median uses: after warm-up, no evaluation rows."""
+    evals = {step for step, _, _ in run.series("eval_loss")}
+    return [r for r in run.series("tok_s") if r[0] > THROUGHPUT_WARMUP_STEPS and r[0] not in evals]
+
+
+def flops_per_token(run: Run) -> float | None:
+    """Training FLOPs per token: 6 x active non-embedding parameters + 6 x L x H x S (causal attention
+    scores) + 6 x H x V (the tied head), the definition `trmoe.bench step` uses."""
+    spec, params = run.record.get("model_spec") or {}, run.record.get("params") or {}
+    seq = run.config_value("trainer.seq_len")
+    try:
+        non_embedding_active = params["active"] - params["embedding"]
+        attention = 6 * spec["num_layers"] * spec["hidden_size"] * seq
+        head = 6 * spec["hidden_size"] * spec["embedding_rows"]
+    except (KeyError, TypeError):
+        return None
+    return 6 * non_embedding_active + attention + head
+
+
+def peak_flops(run: Run, override: float | None) -> float | None:
+    if override:
+        return override
+    backend = run.record.get("backend") or {}
+    if not str(backend.get("device", "")).startswith("cuda"):
+        return None
+    if backend.get("autocast_dtype") not in ("bfloat16", "float16"):
+        return None  # an fp32 run on a GPU: the bf16 peak would understate its MFU's meaning
+    name = str(backend.get("device_name", ""))
+    return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
+
+
+def summarize(run: Run, peak_override: float | None = None) -> Summary:
+    evals = run.series("eval_loss")
+    final_eval = _last(evals)
+    best_eval = min((v for _, _, v in evals), default=None)
+
+    bpb, estimated = _last(run.series("eval_bpb")), False
+    split = (run.record.get("data") or {}).get("eval")
+    split = split if isinstance(split, dict) else {}  # data=random describes its eval stream in words
+    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):
+        # nats/token -> bits/byte with the held-out split's tokens per byte (the scored batches are a prefix)
+        bpb, estimated = final_eval / math.log(2) * split["tokens"] / split["bytes"], True
+
+    rows = throughput_rows(run)
+    median_tok_s = statistics.median(v for _, _, v in rows) if rows else None
+    mfu = None
+    if run.has_column("mfu"):
+        recorded = [v for s, _, v in run.series("mfu") if s in {r[0] for r in rows}]
+        mfu = statistics.median(recorded) if recorded else None
+    if mfu is None and median_tok_s is not None:
+        flops, peak = flops_per_token(run), peak_flops(run, peak_override)
+        if flops and peak:
+            mfu = median_tok_s * flops / peak
+
+    tokens = run.series("tokens")
+    params = run.record.get("params") or {}
+    return Summary(
+        final_eval=final_eval,
+        best_eval=best_eval,
+        eval_bpb=bpb,
+        bpb_estimated=estimated,
+        train_loss=_last(run.series("train_loss")),
+        median_tok_s=median_tok_s,
+        tok_s_rows=[int(s) for s, _, _ in rows],
+        mfu=mfu,
+        tokens=int(tokens[-1][2]) if tokens else None,
+        params_total=params.get("total"),
+        params_active=params.get("active"),
+    )

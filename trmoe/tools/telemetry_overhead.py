@@ -1,0 +1,103 @@
+"""Measure what expert telemetry (telemetry.moe=true) costs per training step.
+
+    python -m trmoe.tools.telemetry_overhead [--steps 40] [--log-every 10] [config overrides ...]
+
+Builds the configured model twice from the same seed, one with telemetry attached, and times full
+training steps (forward, loss, backward, grad norms at log steps, clipping, optimizer step, collection at
+log steps) in alternating blocks, so that drift of a shared machine hits both alike. Prints the median
+step time of each and the relative overhead. No files are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from hydra import compose, initialize_config_module
+
+import trmoe.config.schema  # noqa: F401  (registers the schemas)
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.data.pipeline import build_data
+from trmoe.model.transformer import TRMoETransformer
+from trmoe.train import env
+from trmoe.train.loss import chunked_tied_ce
+from trmoe.train.optim import build_optimizer
+from trmoe.train.telemetry import MoETelemetry
+
+
+def _setup(cfg, spec, device, telemetry: bool):
+    torch.manual_seed(cfg.trainer.seed)
+    model = TRMoETransformer(spec).to(device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    return model, optimizer, (MoETelemetry(model, device) if telemetry else None)
+
+
+def _step(model, optimizer, tel, inputs, targets, log: bool) -> None:
+    if tel is not None:
+        with tel.recording():
+            hidden = model(inputs)
+    else:
+        hidden = model(inputs)
+    sums = chunked_tied_ce(hidden, model.head_weight, targets)
+    (sums.total / sums.tokens).backward()
+    grad_sq = tel.grad_norms() if tel is not None and log else None
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if log:
+        norm.item()  # the loop's host sync of a log step
+        if tel is not None:
+            tel.collect(0, grad_sq)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant")
+    parser.add_argument("--log-every", type=int, default=10, help="log cadence (collection, grad norms)")
+    parser.add_argument("--block", type=int, default=5, help="steps per alternating block")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data=random")
+    args = parser.parse_args(argv)
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        cfg = to_config(compose("config", overrides=["hardware=cpu", *args.overrides]))
+    device = env.select_device(cfg.hardware)
+    env.configure(cfg.hardware, device)
+    spec = model_spec(cfg)
+    data = build_data(cfg, spec.vocab_size)
+    t = cfg.trainer
+    variants = {name: _setup(cfg, spec, device, name == "on") for name in ("off", "on")}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    step = 0
+    for name in ("off", "on"):  # warm-up
+        _step(*variants[name], *data.train.batch(0, t.micro_batch), log=True)
+    while len(times["on"]) < args.steps:
+        for name in ("off", "on"):
+            for _ in range(args.block):
+                inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
+                inputs, targets = inputs.to(device), targets.to(device)
+                log = step % args.log_every == 0
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                _step(*variants[name], inputs, targets, log=log)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - start)
+                step += 1
+    if hasattr(data, "close"):
+        data.close()
+    tokens = t.micro_batch * t.seq_len
+    threads = torch.get_num_threads()
+    print(f"model {cfg.model.name}, vocab {spec.vocab_size}, {tokens} tokens/step, {device}, {threads} thr.")
+    (off_median, off_mean) = (statistics.median(times["off"]), statistics.fmean(times["off"]))
+    for name, values in times.items():
+        median, mean = statistics.median(values), statistics.fmean(values)
+        print(
+            f"telemetry {name:3s}: median {median * 1e3:.1f} ms/step ({(median / off_median - 1):+.1%}), "
+            f"mean {mean * 1e3:.1f} ms/step ({(mean / off_mean - 1):+.1%})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The per-run and per-step training controls, in one place the loop calls:
+
+- model execution: activation checkpointing per block, shared-expert token chunking, torch.compile;
+- the loss backend (loss.backend, resolved once; evaluation stays on the exact chunked path);
+- the schedules (LR, top-k primary weight p, scheduled gates, diversity weight lambda), all pure
+  functions of the step, set at the start of every step;
+- the expert-diversity penalty, added once per optimizer step;
+- expert telemetry (telemetry.moe), which exists only when on;
+- the extra metrics columns (per-group LRs, p, lambda, penalty, telemetry aggregates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trmoe.config.schema import Config, LossBackend
+from trmoe.errors import UserError
+from trmoe.train.diversity import expert_diversity
+from trmoe.train.loss import LossSums
+from trmoe.train.loss_backend import resolve_backend, training_loss
+from trmoe.train.optim import GroupLRs, describe_groups
+from trmoe.train.schedule import apply_lr, build_schedules
+from trmoe.train.telemetry import MoETelemetry, TelemetryWriter
+
+log = logging.getLogger("trmoe")
+
+
+def check_controls(cfg: Config, device: torch.device) -> LossBackend:
+    """The checks that need the device or the installed packages (validate.py has the static ones).
+    Raises UserError before anything is written."""
+    backend = resolve_backend(cfg.loss, device)
+    t = cfg.trainer
+    if t.compile:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if t.compile_backend not in known:
+            raise UserError(
+                f"config error: trainer.compile_backend={t.compile_backend}: not a torch.compile backend; "
+                f"allowed: {', '.join(sorted(known))}"
+            )
+    return backend
+
+
+def is_log_step(step: int, cfg: Config) -> bool:
+    """Steps that write a metrics row: 1, every log_every, every eval step and the last."""
+    t = cfg.trainer
+    is_eval = step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
+    return is_eval or step == 1 or step % t.log_every == 0
+
+
+class TrainingControls:
+    def __init__(self, cfg: Config, model: nn.Module, device: torch.device):
+        """Call after the model is built and before the optimizer is (scheduled gates stop being
+        parameters the optimizer sees)."""
+        t = cfg.trainer
+        self.cfg, self.model = cfg, model
+        self.schedules = build_schedules(cfg)
+        model.activation_checkpointing = t.activation_checkpointing
+        for block in model.blocks:
+            ffn = block.ffn
+            if ffn.shared is not None:
+                ffn.shared.chunk_tokens = t.shared_chunk_tokens
+            # A scheduled gate follows its schedule: it is not learned.
+            if self.schedules.shared_gate is not None and ffn.shared_gate is not None:
+                ffn.shared_gate.requires_grad_(False)
+            if self.schedules.routed_gate is not None and ffn.routed_gate is not None:
+                ffn.routed_gate.requires_grad_(False)
+        self.loss_backend = check_controls(cfg, device)
+        self.loss_fn = training_loss(cfg.loss, self.loss_backend)
+        if self.loss_backend == LossBackend.liger and cfg.loss.label_smoothing > 0:
+            log.warning(
+                "loss.backend=liger with label smoothing: liger reports only the smoothed loss, so "
+                "train_loss/train_ppl are nan (train_objective and the exact eval_loss are logged)"
+            )
+        self.telemetry = MoETelemetry(model, device) if cfg.telemetry.moe else None
+        # evaluation and the checkpoints use `model`; the training forward goes through this one
+        self.train_model = torch.compile(model, backend=t.compile_backend) if t.compile else model
+        self.values: dict[str, float | None] = {}
+        self._group_lrs: GroupLRs | None = None
+        self._diversity: torch.Tensor | None = None  # last penalty value (device, detached)
+        self._grad_sq: torch.Tensor | None = None
+        self._telemetry_writer: TelemetryWriter | None = None
+
+    # --- once per run -------------------------------------------------------------------------------
+    def attach(self, optimizer, run_dir: Path, write_files: bool = True) -> None:
+        """write_files=False on ranks > 0 of a distributed job: they take part in the telemetry reduction
+        but rank 0 alone writes telemetry.csv."""
+        self._group_lrs = GroupLRs(self.model, optimizer)
+        if self.telemetry is not None and write_files:
+            self._telemetry_writer = TelemetryWriter(run_dir / "telemetry.csv", self.telemetry.num_experts)
+
+    def record(self, optimizer) -> dict[str, Any]:
+        """For run_config.json: what the controls resolved to."""
+        return {
+            "loss_backend": self.loss_backend.value,
+            "optimizer_groups": describe_groups(optimizer),
+            "schedules": self.schedules.to_dict(),
+            "compile": {"enabled": self.cfg.trainer.compile, "backend": self.cfg.trainer.compile_backend},
+            "telemetry_file": "telemetry.csv" if self.telemetry is not None else None,
+        }
+
+    def close(self) -> None:
+        if self._telemetry_writer is not None:
+            self._telemetry_writer.close()
+        if self.telemetry is not None:
+            self.telemetry.remove()
+
+    # --- every step ---------------------------------------------------------------------------------
+    def begin_step(self, step: int, optimizer) -> float:
+        """Set this step's LR, p, gates and lambda; returns the LR multiplier."""
+        v = self.values = self.schedules.at(step)
+        apply_lr(optimizer, v["lr_mult"])
+        with torch.no_grad():
+            for block in self.model.blocks:
+                ffn = block.ffn
+                if v["primary_weight"] is not None and ffn.routed is not None:
+                    if ffn.routed.primary_weight != v["primary_weight"]:
+                        ffn.routed.primary_weight = v["primary_weight"]
+                if v["shared_gate"] is not None and ffn.shared_gate is not None:
+                    ffn.shared_gate.fill_(v["shared_gate"])
+                if v["routed_gate"] is not None and ffn.routed_gate is not None:
+                    ffn.routed_gate.fill_(v["routed_gate"])
+        return v["lr_mult"]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The training forward (telemetry counts it when on)."""
+        ctx = self.telemetry.recording() if self.telemetry is not None else contextlib.nullcontext()
+        with ctx:
+            return self.train_model(inputs)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossSums:
+        return self.loss_fn(hidden, self.model.head_weight, targets)
+
+    def penalty(self) -> torch.Tensor | None:
+        """lambda(step) * diversity, to add once per optimizer step (on one micro-batch); None when off."""
+        lam = self.values.get("diversity")
+        if lam is None:
+            return None
+        div = expert_diversity(self.model, self.cfg.loss.diversity_target)
+        self._diversity = div.detach()
+        return lam * div
+
+    def before_clip(self, log_step: bool) -> None:
+        """After backward, before clipping: the telemetry gradient norms of a logged step."""
+        if self.telemetry is not None and log_step:
+            self._grad_sq = self.telemetry.grad_norms()
+
+    def log_columns(self, step: int) -> dict[str, Any]:
+        """Extra metrics columns of a logged step (writes the telemetry.csv rows of the window)."""
+        row: dict[str, Any] = dict(self._group_lrs.row()) if self._group_lrs is not None else {}
+        routed = [b.ffn.routed for b in self.model.blocks if b.ffn.routed is not None]
+        row["primary_weight"] = routed[0].primary_weight if routed and routed[0].top_k > 1 else None
+        row["diversity_lambda"] = self.values.get("diversity")
+        row["diversity"] = None if self._diversity is None else float(self._diversity)
+        if self.telemetry is not None:
+            aggregate, layer_rows = self.telemetry.collect(step, self._grad_sq)
+            self._grad_sq = None
+            row.update(aggregate)
+            if self._telemetry_writer is not None:
+                self._telemetry_writer.write(layer_rows)
+        return row

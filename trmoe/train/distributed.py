@@ -1,0 +1,160 @@
+"""Who am I in a distributed job, and the few collectives the train loop needs.
+
+One function decides the environment (`detect`), in this order:
+
+1. torchrun (or any env:// launcher): RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR are set;
+2. a submitit job (hydra/launcher=submitit_local or submitit_slurm): each task is one rank, and
+   `submitit.helpers.TorchDistributedEnvironment` supplies rank, world size and the master address;
+3. otherwise a single process: no process group at all.
+
+`init` creates the process group (NCCL on CUDA, which is RCCL on ROCm builds; gloo on CPU) and `shutdown`
+destroys it at the end of each job, so Hydra's basic launcher can run a sweep in one process.
+Only rank 0 writes the run's files and logs to the console; rank r > 0 logs to <run dir>/logs/rank_<r>.log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("trmoe")
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single"  # torchrun | submitit | single
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect() -> DistEnv:
+    """The distributed environment of this process (reads the environment only; starts nothing)."""
+    if all(k in os.environ for k in TORCHRUN_VARS):
+        return DistEnv(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            source="torchrun",
+        )
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = TorchDistributedEnvironment()
+        if env.world_size > 1:
+            # MASTER_ADDR/PORT, RANK, WORLD_SIZE for env:// (the GPUs are left as SLURM bound them)
+            env.export(set_cuda_visible_devices=False, overwrite=True)
+        return DistEnv(env.rank, env.world_size, env.local_rank, source="submitit")
+    return DistEnv()
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL on CUDA (RCCL on ROCm builds, under the same name), gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init(device: torch.device) -> tuple[DistEnv, torch.device]:
+    """Create the process group when the job has more than one rank (idempotent); returns the environment
+    and this rank's device (cuda:<local rank> on GPUs)."""
+    env = detect()
+    if device.type == "cuda":
+        index = env.local_rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    if env.distributed and not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend_for(device), rank=env.rank, world_size=env.world_size, **kwargs)
+        log.info(
+            "process group: rank %d of %d (%s, %s)", env.rank, env.world_size, env.source, dist.get_backend()
+        )
+    return env, device
+
+
+def shutdown() -> None:
+    """Destroy the process group, if any (end of each job: the next job of a sweep starts clean)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
+    """Sums over ranks of scalar tensors (one collective for all of them); copies, inputs untouched."""
+    stacked = torch.stack([v.detach().double().reshape(()) for v in values])
+    if active():
+        if dist.get_backend() == "gloo":
+            stacked = stacked.cpu()
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return list(stacked.unbind())
+
+
+def attach_rank_log(run_dir: Path, rank: int) -> logging.Handler:
+    """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console. Returns the file handler
+    (the caller removes it at the end of the job)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)  # console: rank 0 only
+    path = Path(run_dir) / "logs" / f"rank_{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(handler)
+    return handler
+
+
+def no_sync(model: torch.nn.Module, sync: bool):
+    """DDP: skip the gradient all-reduce on all but the last micro-batch of an accumulated step."""
+    if not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+class NullMetrics:
+    """metrics.csv on ranks > 0: rows are computed (collectively) but rank 0 alone writes them."""
+
+    def write(self, row) -> None:
+        pass
+
+    def sync(self) -> dict:
+        return {}
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def window_means(window) -> tuple[float, float]:
+    """records.MetricsWindow.means() over all ranks: sums of CE, objective and tokens, then the means."""
+    if not active():
+        return window.means()
+    ce, obj, tokens = all_reduce_sum(window.ce, window.objective, torch.tensor(float(window.tokens)))
+    if tokens.item() == 0:
+        return math.nan, math.nan
+    return (ce / tokens).item(), (obj / tokens).item()

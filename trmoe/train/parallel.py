@@ -1,0 +1,76 @@
+"""hardware.strategy: how a multi-rank job holds the model.
+
+- ddp (the default when world > 1): DistributedDataParallel with no per-forward buffer broadcast (the route
+  tables are built identically on every rank from the config); the loop skips the gradient all-reduce on
+  all but the last micro-batch of a step (`no_sync`).
+- fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every block and then on the root, with a mixed
+  precision policy (bf16/fp16 parameters in compute, fp32 gradient reduction) on GPUs. The model object is
+  sharded in place, so checkpoints go through torch.distributed.checkpoint (format dcp).
+
+The evaluation and the tied-head loss use the unwrapped module (`model`); the training forward goes through
+the wrapper returned here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trmoe.config.schema import Strategy
+from trmoe.train.distributed import DistEnv
+
+
+def resolve_strategy(strategy: Strategy, dist_env: DistEnv) -> str:
+    """ "none" (single process), "ddp" or "fsdp"."""
+    if not dist_env.distributed:
+        return "none"
+    return "fsdp" if strategy == Strategy.fsdp else "ddp"
+
+
+def shard_fsdp(model: nn.Module, amp_dtype: torch.dtype | None) -> list[nn.Parameter]:
+    """FSDP2 in place: each block is one unit (all-gathered for its forward, resharded after), the root
+    holds the embedding/tied head and the final norm. FSDP2 cannot shard scalar parameters (the shared and
+    routed gates): they stay replicated and their gradients are averaged by `average_gradients`, which the
+    loop calls after backward. Returns those parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    scalars = [p for p in model.parameters() if p.dim() == 0]
+    kwargs = {"ignored_params": set(scalars)}
+    if amp_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return scalars
+
+
+def average_gradients(params: list[nn.Parameter]) -> None:
+    """Mean over ranks of the gradients of parameters no wrapper reduces (one collective)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not torch.distributed.is_initialized():
+        return
+    flat = torch.stack([g.reshape(()) for g in grads])
+    torch.distributed.all_reduce(
+        flat, op=torch.distributed.ReduceOp.AVG if _has_avg() else torch.distributed.ReduceOp.SUM
+    )
+    if not _has_avg():
+        flat /= torch.distributed.get_world_size()
+    for g, v in zip(grads, flat.unbind(), strict=True):
+        g.copy_(v)
+
+
+def _has_avg() -> bool:
+    return torch.distributed.get_backend() == "nccl"
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    # broadcast_buffers=False: route tables are deterministic buffers, identical on every rank
+    return DDP(model, device_ids=ids, output_device=ids[0] if ids else None, broadcast_buffers=False)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (FSDP results such as the gradient norm); others unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

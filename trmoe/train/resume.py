@@ -1,0 +1,517 @@
+"""What a launch does with its run directory, and whether an existing run may be continued with this config.
+
+`plan_run` decides, reading only, before anything is written:
+
+    fresh     the directory holds no run (or trainer.resume=never run.overwrite=true replaces its run)
+    resume    continue from a complete checkpoint (trainer.resume=auto: the directory's newest one that
+              verifies; trainer.resume=<path>: that one)
+    restart   the directory holds this same run but no complete checkpoint yet: start it again from step 0
+    complete  the newest checkpoint is the last step: nothing to do
+
+A resumed run must be the same experiment. The stored config (in the checkpoint's meta.json) and the new one
+are flattened to dotted keys and compared; a key is *volatile* (may change) only if it matches a pattern in
+VOLATILE_KEYS, so every other key, including keys added to the schema later, is *training-critical*.
+Derived values join the comparison: the global batch in tokens and the effective precision are critical
+(micro_batch, grad_accum, world size and hardware may change as long as they are kept), and so is the data
+identity (`data_info.*`, from the data pipeline's record). A critical difference stops the run with a diff
+(exit 2); trainer.force_resume=true continues and records the difference in run_config.json.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trmoe.config.schema import Config
+from trmoe.errors import UserError
+from trmoe.train import records
+from trmoe.train.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    load_local_state,
+    read_pointer,
+    resolve_checkpoint,
+)
+
+log = logging.getLogger("trmoe")
+
+STATE_VERSION = 1
+ABSENT = "<absent>"
+STEP_CSVS = ("telemetry.csv",)  # other per-step records, trimmed like metrics.csv on resume
+
+# Keys that may differ between the attempts of one run (fnmatch patterns over dotted keys). Everything else
+# is training-critical. Add a key here only if changing it mid-run cannot change what is learned.
+VOLATILE_KEYS = (
+    "run.*",  # name, progress display, overwrite
+    "trainer.steps",  # extend or shorten a run (the schedules' past must stay the same: see _check_schedules)
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "trainer.resume",
+    "trainer.force_resume",
+    "trainer.micro_batch",  # with grad_accum and the world size: how the global batch is split;
+    "trainer.grad_accum",  # derived.global_batch_tokens is the critical value
+    "trainer.activation_checkpointing",  # memory, not math
+    "trainer.shared_chunk_tokens",  # memory, not math
+    "trainer.compile",  # execution, not math
+    "trainer.compile_backend",
+    "checkpoint.*",
+    "guard.*",
+    "telemetry.*",  # observation only
+    "hardware.*",  # device, threads, determinism; derived.precision is the critical value
+    "loss.chunk_tokens",  # memory, not math
+    "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
+    "data.workers",  # reader parallelism
+    "data.pin_memory",
+    "data.verify",
+    "derived.world_size",
+    "data_info.path",  # location; the content is identified by its hashes
+    "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
+    "data_info.metric_streams",
+)
+
+
+def is_volatile(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in VOLATILE_KEYS)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_container(raw_cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(raw_cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) -> dict[str, Any]:
+    t = cfg.trainer
+    return {
+        "global_batch_tokens": t.micro_batch * t.seq_len * world_size * t.grad_accum,
+        "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
+        "world_size": world_size,
+    }
+
+
+def training_view(config: dict, derived: dict | None, data_info: dict | None) -> dict[str, Any]:
+    """The flat key -> value map that two attempts of a run are compared on."""
+    view = flatten(config)
+    view.update(flatten({"derived": derived or {}}))
+    if data_info is not None:
+        view.update(flatten({"data_info": json.loads(json.dumps(data_info, default=str))}))
+    return view
+
+
+def critical_hash(view: dict[str, Any]) -> str:
+    """sha256 of the training-critical part of a view: equal hashes, same experiment."""
+    critical = {k: v for k, v in view.items() if not is_volatile(k)}
+    return hashlib.sha256(json.dumps(critical, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class ConfigDiff:
+    critical: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    volatile: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def render(self, which: str = "critical") -> str:
+        items = self.critical if which == "critical" else self.volatile
+        width = max((len(k) for k in items), default=0)
+        lines = []
+        for key, (old, new) in sorted(items.items()):
+            note = _NOTES.get(key, "")
+            lines.append(f"  {key:<{width}}  {_show(old)} -> {_show(new)}{note}")
+        return "\n".join(lines)
+
+    def as_record(self, which: str = "critical") -> dict[str, list[Any]]:
+        items = self.critical if which == "critical" else self.volatile
+        return {k: [old, new] for k, (old, new) in sorted(items.items())}
+
+
+_NOTES = {
+    "derived.global_batch_tokens": "  (micro_batch x seq_len x world size x grad_accum)",
+    "derived.precision": "  (the autocast dtype hardware.precision resolves to on this device)",
+}
+
+
+def _show(value: Any) -> str:
+    return value if value == ABSENT else json.dumps(value, default=str)
+
+
+def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None = None) -> ConfigDiff:
+    """Differences between two views. data_only=True compares only data_info.* keys, False all but them."""
+    diff = ConfigDiff()
+    for key in sorted(set(old) | set(new)):
+        if data_only is not None and key.startswith("data_info.") != data_only:
+            continue
+        a, b = old.get(key, ABSENT), new.get(key, ABSENT)
+        if a != b:
+            (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
+    return diff
+
+
+# ----------------------------------------------------------------------------------------- train state
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a step could draw from: Python, numpy, torch CPU, each CUDA device, and MPS."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "mps": torch.mps.get_rng_state() if _mps_available() else None,
+    }
+
+
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("mps") is not None and _mps_available():
+        torch.mps.set_rng_state(state["mps"])
+    if state["cuda"] and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning(
+                "checkpoint holds RNG states of %d CUDA devices, this process sees %d: CUDA RNG not restored",
+                len(state["cuda"]),
+                torch.cuda.device_count(),
+            )
+
+
+def capture(
+    *, step: int, tokens: int, next_sample: int, data, window, guard, train_time: float, eval_loss: float
+) -> dict[str, Any]:
+    """This rank's part of a checkpoint besides model and optimizer."""
+    return {
+        "version": STATE_VERSION,
+        "step": step,
+        "tokens": tokens,
+        "next_sample": next_sample,  # the global sample index the next step starts at
+        "data": data.state_dict() if hasattr(data, "state_dict") else None,
+        "rng": rng_state(),
+        "window": window.state_dict(),
+        "guard": guard.state_dict(),
+        "train_time": train_time,
+        "eval_loss": eval_loss,
+    }
+
+
+def restore(state: dict[str, Any], *, data, window, guard, load_data: bool) -> None:
+    if state.get("version") != STATE_VERSION:
+        raise CheckpointError(f"train state version {state.get('version')}; this trmoe reads {STATE_VERSION}")
+    if load_data and state.get("data") is not None and hasattr(data, "load_state_dict"):
+        data.load_state_dict(state["data"])
+    window.load_state_dict(state["window"])
+    guard.load_state_dict(state["guard"])
+    set_rng_state(state["rng"])  # last: nothing after it may draw
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+@dataclass
+class Plan:
+    mode: str  # fresh | restart | resume | complete
+    run_dir: Path
+    view: dict[str, Any]  # this launch's training view (without data_info until check_data)
+    checkpoint: CheckpointInfo | None = None
+    external: bool = False  # the checkpoint lives in another run directory
+    overwrite: bool = False  # delete the run the directory holds first (resume=never run.overwrite=true)
+    diff: ConfigDiff = field(default_factory=ConfigDiff)
+    forced: dict[str, list[Any]] = field(default_factory=dict)  # critical differences force_resume let pass
+    previous: dict[str, Any] | None = None  # the directory's run_config.json
+    stored_view: dict[str, Any] = field(default_factory=dict)
+    metrics_rows: int = 0
+
+    @property
+    def start_step(self) -> int:
+        return self.checkpoint.step if self.checkpoint is not None else 0
+
+    @property
+    def final_eval_loss(self) -> float:
+        return float(self.checkpoint.meta.get("eval_loss", float("nan"))) if self.checkpoint else float("nan")
+
+    def check_data(self, data, data_info: dict, *, rank: int, force: bool) -> None:
+        """Compare the data identity with the stored run's and load the data cursor (still before writes)."""
+        self.view.update(training_view({}, None, data_info))
+        if self.mode in ("fresh", "complete"):
+            return
+        diff = compare(self.stored_view, self.view, data_only=True)
+        self.diff.volatile.update(diff.volatile)
+        if diff.critical:
+            where = self.checkpoint.path if self.checkpoint else self.run_dir / "run_config.json"
+            _mismatch(diff, where, force=force, restart=self.mode == "restart")
+            self.forced.update(diff.as_record())
+        if self.checkpoint is not None:
+            cursor = load_local_state(self.checkpoint, rank).get("data")
+            if cursor is not None and hasattr(data, "load_state_dict"):
+                if diff.critical:
+                    log.warning("data differs from the checkpoint's (forced): its data cursor is not loaded")
+                else:
+                    data.load_state_dict(cursor)
+
+    def prepare(self, store: CheckpointStore) -> None:
+        """The plan's writes, once everything is checked: replace, trim or continue the run's records."""
+        run_dir, metrics = self.run_dir, self.run_dir / "metrics.csv"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.overwrite:
+            for name in (*records.RUN_FILES, *STEP_CSVS, "metrics.csv.orig", "train.log", "status.json"):
+                (run_dir / name).unlink(missing_ok=True)
+            for name in ("checkpoints", ".hydra"):
+                shutil.rmtree(run_dir / name, ignore_errors=True)
+            log.warning("run.overwrite=true: replaced the run in %s", run_dir)
+        if self.mode == "restart":
+            for name in ("metrics.csv", *STEP_CSVS):
+                (run_dir / name).unlink(missing_ok=True)
+        if self.mode != "resume":
+            return
+        step = self.checkpoint.step
+        if self.external:
+            for name in ("metrics.csv", *STEP_CSVS):
+                source = self.checkpoint.path.parent.parent / name
+                if source.is_file():
+                    shutil.copyfile(source, run_dir / name)
+        else:
+            moved = store.set_aside(step)
+            if moved:
+                log.warning(
+                    "resuming from step %d: newer checkpoints set aside as %s",
+                    step,
+                    ", ".join(p.name for p in moved),
+                )
+        for name in STEP_CSVS:
+            if (run_dir / name).is_file():
+                records.trim_csv(run_dir / name, step)
+        if metrics.is_file():
+            self.metrics_rows = records.continue_metrics(metrics, step)
+        else:
+            records.MetricsWriter(metrics).close()
+            self.metrics_rows = 0
+        expected = self.checkpoint.meta.get("metrics", {}).get("rows")
+        if expected is not None and expected != self.metrics_rows:
+            log.warning(
+                "metrics.csv has %d rows up to step %d, the checkpoint recorded %d",
+                self.metrics_rows,
+                step,
+                expected,
+            )
+
+    def identity(self, raw_cfg: DictConfig, data_info: dict) -> dict[str, Any]:
+        """What every checkpoint's meta.json carries to be compared with a later launch."""
+        return {
+            "config": config_container(raw_cfg),
+            "derived": {k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")},
+            "data": data_info,
+            "config_hash": critical_hash(self.view),
+        }
+
+    def record(self) -> dict[str, Any]:
+        """Fields for run_config.json: the config hash and the history of this run's attempts."""
+        history = list((self.previous or {}).get("resumes", [])) if self.mode != "fresh" else []
+        if self.mode in ("resume", "restart"):
+            history.append(
+                {
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "mode": self.mode,
+                    "from_step": self.start_step,
+                    "checkpoint": None if self.checkpoint is None else str(self.checkpoint.path.resolve()),
+                    "volatile_changes": self.diff.as_record("volatile"),
+                    "forced": self.forced,  # training-critical differences continued with force_resume
+                }
+            )
+        return {
+            "config_hash": critical_hash(self.view),
+            "derived": {k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")},
+            "force_resumed": any(entry.get("forced") for entry in history),
+            "resumes": history,
+        }
+
+
+def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = False) -> None:
+    if restart:
+        raise UserError(
+            f"run directory {where.parent} holds a different run and no complete checkpoint; "
+            f"training-critical keys differ from its run_config.json:\n{diff.render()}\n"
+            "choose another run.name, or replace it: trainer.resume=never run.overwrite=true "
+            "(nothing was changed)"
+        )
+    if not force:
+        raise UserError(
+            f"resume config mismatch with {where}: training-critical keys differ:\n{diff.render()}\n"
+            "this would silently continue a different experiment; use another run.name, restore the keys, or "
+            "set trainer.force_resume=true to continue anyway (recorded in run_config.json) "
+            "(nothing was changed)"
+        )
+    log.warning(
+        "trainer.force_resume=true: continuing %s although training-critical keys differ:\n%s",
+        where,
+        diff.render(),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _stored_view(record: dict[str, Any]) -> dict[str, Any]:
+    """The view of a checkpoint's meta.json or a run_config.json (both hold config, derived and data)."""
+    return training_view(record.get("config", {}), record.get("derived"), record.get("data"))
+
+
+def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: CheckpointStore) -> Plan:
+    """Decide fresh / resume / restart / complete; raise UserError (exit 2) for anything that would overwrite
+    or silently continue a different run. Reads only."""
+    t = cfg.trainer
+    how = t.resume.strip()
+    previous = _read_json(run_dir / "run_config.json")
+    held = [name for name in records.RUN_FILES if (run_dir / name).exists()]
+    if store.step_dirs():
+        held.append("checkpoints")
+    plan = Plan(mode="fresh", run_dir=run_dir, view=view, previous=previous)
+
+    if how == "never":
+        if held and not cfg.run.overwrite:
+            raise UserError(
+                f"run directory {run_dir} already holds a run ({', '.join(held)}); trainer.resume=never "
+                "starts from scratch: add run.overwrite=true to replace it, trainer.resume=auto to continue "
+                "it, or choose another run.name (nothing was changed)"
+            )
+        plan.overwrite = bool(held)
+        return plan
+    if cfg.run.overwrite:
+        log.warning("run.overwrite=true only applies with trainer.resume=never; trainer.resume=%s", how)
+
+    if how == "auto":
+        info = store.newest_good()
+        if info is None:
+            if not held:
+                return plan
+            if previous is None or "config" not in previous:
+                raise UserError(
+                    f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
+                    "readable run_config.json nor a complete checkpoint; choose another run.name, or replace "
+                    "it: trainer.resume=never run.overwrite=true (nothing was changed)"
+                )
+            plan.mode = "restart"
+            plan.stored_view = _stored_view(previous)
+            diff = compare(plan.stored_view, view, data_only=False)
+            if diff.critical:
+                _mismatch(diff, run_dir / "run_config.json", force=False, restart=True)
+            plan.diff = diff
+            log.warning(
+                "run directory %s holds this run but no complete checkpoint: restarting at step 0", run_dir
+            )
+            return plan
+    else:
+        path = Path(how).expanduser()
+        try:
+            info = store.verify(resolve_checkpoint(path))
+        except CheckpointError as e:
+            raise UserError(f"trainer.resume={how}: {e}") from None
+        plan.external = info.path.resolve().parent != store.directory.resolve()
+        if plan.external and held:
+            if not cfg.run.overwrite:
+                raise UserError(
+                    f"trainer.resume={how}: run directory {run_dir} already holds a run ({', '.join(held)}); "
+                    "continue another run's checkpoint in a new run.name, or add run.overwrite=true "
+                    "(nothing was changed)"
+                )
+            plan.overwrite = True
+
+    pointer = read_pointer(store.directory)
+    if how == "auto" and pointer not in (None, info.path.name):
+        log.info("using %s, the newest complete checkpoint (`latest` says %s)", info.path.name, pointer)
+    plan.checkpoint = info
+    plan.stored_view = _stored_view(info.meta)
+    plan.diff = compare(plan.stored_view, view, data_only=False)
+    if plan.diff.critical:
+        _mismatch(plan.diff, info.path, force=t.force_resume)
+        plan.forced = plan.diff.as_record()
+        _check_shapes(info, cfg)
+    _check_schedules(info, cfg, plan)
+    if info.step > t.steps:
+        raise UserError(
+            f"config error: trainer.steps={t.steps}: the checkpoint {info.path} is at step {info.step}; "
+            f"allowed: >= {info.step}"
+        )
+    plan.mode = "complete" if info.step == t.steps else "resume"
+    return plan
+
+
+def _stored_config(meta: dict[str, Any]) -> Config | None:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), meta["config"])
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except Exception:  # a config from another trmoe version: the key diff already reports it
+        return None
+
+
+def _check_shapes(info: CheckpointInfo, cfg: Config) -> None:
+    """force_resume may change hyper-parameters, not the tensors the checkpoint holds: compare the state-dict
+    shapes of both models (built on the meta device: no memory) before anything is written."""
+    from trmoe.config.resolve import model_spec
+    from trmoe.model.transformer import TRMoETransformer
+
+    stored = _stored_config(info.meta)
+    if stored is None:
+        return
+
+    def shapes(config: Config) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            model = TRMoETransformer(model_spec(config))
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    old, new = shapes(stored), shapes(cfg)
+    if old != new:
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        raise UserError(
+            f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
+            f"{info.path} (e.g. {changed[0]}: {old.get(changed[0])} -> {new.get(changed[0])}); "
+            "(nothing was changed)"
+        )
+
+
+def _check_schedules(info: CheckpointInfo, cfg: Config, plan: Plan) -> None:
+    """trainer.steps may change, but not what the schedules did in the steps already run (e.g. a cosine
+    horizon that moves bends the LR of steps already taken)."""
+    from trmoe.train import schedule
+
+    check = getattr(schedule, "check_extension", None)
+    stored = _stored_config(info.meta)
+    if check is None or stored is None or info.step == 0:
+        return
+    try:
+        check(schedule.build_schedules(stored), schedule.build_schedules(cfg), info.step)
+    except UserError as e:
+        if not cfg.trainer.force_resume:
+            raise UserError(f"{e} (resuming {info.path}; nothing was changed)") from None
+        log.warning("trainer.force_resume=true: continuing although %s", e)
+        plan.forced["schedules"] = [str(e), "forced"]

@@ -1,0 +1,39 @@
+"""<run dir>/status.json: whether a run is running, finished or failed (with its error line).
+
+Written by the train loop once the run directory exists, and by the app for a sweep job that failed before
+it had a run directory (a bad config in one arm), so that a sweep report can show every job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trmoe.train.records import write_atomic
+
+STATUS_FILE = "status.json"
+RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+
+
+def error_line(exc: BaseException) -> str:
+    """One line that names the error: `Type: first line of the message` (UserError: the message itself)."""
+    from trmoe.errors import UserError
+
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, UserError):
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def write_status(run_dir: Path, status: str, **fields: Any) -> None:
+    record = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
+    write_atomic(run_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,216 @@
+"""Expert telemetry (telemetry.moe=true): what the routed experts and the shared expert are doing.
+
+Over each logging window, per layer:
+  - route slots per expert (a token adds K counts per layer, one per route), hence the experts' shares,
+    the load imbalance max share / mean share (1 = perfectly even), and the dead experts (zero slots);
+  - the RMS of the shared and of the routed branch's contribution to the FFN output (after the fixed
+    scale and the gate: what is added to the residual stream);
+and at the logging step itself: the gate values, and the gradient norms of the shared expert, of the
+routed experts and of each expert (w_in and w_out slices), read before clipping from the gradients as
+they are after backward, i.e. already averaged over data-parallel ranks (never summed again).
+
+Aggregates go to metrics.csv (imbalance: mean over layers; dead: summed over layers, so an expert dead
+in one layer counts once there; RMS: mean over layers; grad norms: over all layers). Per-layer rows go to
+telemetry.csv. Expert indices are per-layer labels (route tables differ by layer), so shares are never
+summed across layers.
+
+Cost: nothing when off (no hooks, no counters, no reductions). When on: per forward and layer one
+bincount and two sums of squares on the device, at each log step one all-reduce (under DDP) and one
+copy to the host. Only training forwards are counted (evaluation and checkpoint recomputation are not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trmoe.train.records import _fmt
+
+LAYER_COLUMNS = (
+    "step",
+    "layer",
+    "route_slots",  # route slots counted in this layer over the window (tokens x K, all ranks)
+    "imbalance",  # max share / mean share
+    "dead",  # experts with no route slot in the window
+    "shared_rms",  # RMS of the shared branch's contribution to the FFN output
+    "routed_rms",  # RMS of the routed branch's contribution to the FFN output
+    "shared_gate",
+    "routed_gate",
+    "grad_norm_shared",  # shared expert matrices and gate
+    "grad_norm_routed",  # routed expert tensors and gate
+)
+
+
+def telemetry_columns(num_experts: int) -> tuple[str, ...]:
+    experts = range(num_experts)
+    return LAYER_COLUMNS + tuple(f"share_{e}" for e in experts) + tuple(f"grad_norm_{e}" for e in experts)
+
+
+class MoETelemetry:
+    """Counters on the device, filled by forward hooks while `recording()` is active."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.ffns = [block.ffn for block in model.blocks]
+        self.num_experts = model.spec.num_experts
+        layers = len(self.ffns)
+        self.counts = torch.zeros(layers, self.num_experts, dtype=torch.float64, device=device)
+        self.sumsq = torch.zeros(layers, 2, dtype=torch.float64, device=device)  # [shared, routed]
+        self.numel = torch.zeros(layers, 2, dtype=torch.float64, device=device)
+        self._recording = False
+        self._handles = []
+        for layer, ffn in enumerate(self.ffns):
+            if ffn.shared is not None:
+                self._handles.append(ffn.shared.register_forward_hook(partial(self._shared_hook, layer)))
+            if ffn.routed is not None:
+                self._handles.append(ffn.routed.register_forward_hook(partial(self._routed_hook, layer)))
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Count the forwards inside (the training forwards; not evaluation, not recomputation)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @staticmethod
+    def _branch_factor(scale: float, gate: torch.Tensor | None):
+        return scale if gate is None else gate.detach().double() * scale
+
+    @torch.compiler.disable
+    def _shared_hook(self, layer: int, module, inputs, output) -> None:
+        if not self._recording:
+            return
+        ffn = self.ffns[layer]
+        factor = self._branch_factor(ffn.shared_scale, ffn.shared_gate)
+        self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=torch.float64) * (factor * factor)
+        self.numel[layer, 0] += output.numel()
+
+    @torch.compiler.disable
+    def _routed_hook(self, layer: int, module, inputs, output) -> None:
+        if not self._recording:
+            return
+        ffn = self.ffns[layer]
+        token_ids = inputs[1]
+        routes = module.route_table[:, token_ids.reshape(-1)].reshape(-1).long()
+        self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).double()
+        factor = self._branch_factor(ffn.routed_scale, ffn.routed_gate)
+        self.sumsq[layer, 1] += output.detach().pow(2).sum(dtype=torch.float64) * (factor * factor)
+        self.numel[layer, 1] += output.numel()
+
+    @torch.no_grad()
+    def grad_norms(self) -> torch.Tensor:
+        """[L, 2 + E] on the device: squared grad norms of shared, routed, and each expert. Call after
+        backward and before clipping (the values are the averaged gradients DDP leaves in .grad)."""
+        out = self.counts.new_zeros(len(self.ffns), 2 + self.num_experts)
+
+        def sq(t: torch.Tensor | None, dims=None) -> torch.Tensor | float:
+            if t is None or t.grad is None:
+                return 0.0
+            g = t.grad.double()
+            return g.pow(2).sum() if dims is None else g.pow(2).sum(dim=dims)
+
+        for layer, ffn in enumerate(self.ffns):
+            if ffn.shared is not None:
+                out[layer, 0] += sq(ffn.shared.w_in) + sq(ffn.shared.w_out) + sq(ffn.shared_gate)
+            if ffn.routed is not None:
+                out[layer, 2:] += sq(ffn.routed.w_in, (1, 2)) + sq(ffn.routed.w_out, (1, 2))
+                out[layer, 1] += out[layer, 2:].sum() + sq(ffn.routed_gate)
+        return out
+
+    def collect(self, step: int, grad_sq: torch.Tensor | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(aggregate metrics columns, per-layer telemetry rows) of the window; resets the counters.
+        Under DDP the counters are summed over ranks here: one all-reduce per log row, nothing else."""
+        packed = torch.cat([self.counts.flatten(), self.sumsq.flatten(), self.numel.flatten()])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed)
+        packed = packed.cpu()
+        layers, e = len(self.ffns), self.num_experts
+        counts = packed[: layers * e].view(layers, e)
+        sumsq = packed[layers * e : layers * (e + 2)].view(layers, 2)
+        numel = packed[layers * (e + 2) :].view(layers, 2)
+        grads = grad_sq.cpu().sqrt() if grad_sq is not None else None
+        self.counts.zero_()
+        self.sumsq.zero_()
+        self.numel.zero_()
+
+        rows = []
+        for layer, ffn in enumerate(self.ffns):
+            c = counts[layer]
+            total = float(c.sum())
+            row: dict[str, Any] = {"step": step, "layer": layer, "route_slots": int(total)}
+            if ffn.routed is not None and total > 0:
+                shares = c / total
+                row["imbalance"] = float(shares.max() * e)  # max / mean, mean share = 1/E
+                row["dead"] = int((c == 0).sum())
+                row.update({f"share_{i}": float(shares[i]) for i in range(e)})
+            for i, branch in enumerate(("shared", "routed")):
+                if numel[layer, i] > 0:
+                    row[f"{branch}_rms"] = math.sqrt(float(sumsq[layer, i] / numel[layer, i]))
+            row["shared_gate"] = None if ffn.shared_gate is None else float(ffn.shared_gate.detach())
+            row["routed_gate"] = None if ffn.routed_gate is None else float(ffn.routed_gate.detach())
+            if grads is not None:
+                if ffn.shared is not None:
+                    row["grad_norm_shared"] = float(grads[layer, 0])
+                if ffn.routed is not None:
+                    row["grad_norm_routed"] = float(grads[layer, 1])
+                    row.update({f"grad_norm_{i}": float(grads[layer, 2 + i]) for i in range(e)})
+            rows.append(row)
+
+        def mean(key: str) -> float | None:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        dead = [r["dead"] for r in rows if "dead" in r]
+        aggregate: dict[str, Any] = {
+            "expert_imbalance": mean("imbalance"),
+            "expert_dead": sum(dead) if dead else None,
+            "shared_rms": mean("shared_rms"),
+            "routed_rms": mean("routed_rms"),
+        }
+        if grads is not None:
+            for i, branch in enumerate(("shared", "routed")):
+                present = any(r.get(f"grad_norm_{branch}") is not None for r in rows)
+                aggregate[f"grad_norm_{branch}"] = float(grads[:, i].pow(2).sum().sqrt()) if present else None
+        return aggregate, rows
+
+
+def _first_line(path: Path) -> str:
+    with open(path, newline="") as f:
+        return f.readline().rstrip("\r\n")
+
+
+class TelemetryWriter:
+    """telemetry.csv: one row per layer per logged step, flushed as written."""
+
+    def __init__(self, path: Path, num_experts: int):
+        self.columns = telemetry_columns(num_experts)
+        # a resumed run continues its file (trmoe.train.resume trimmed it to the checkpoint's step)
+        append = path.is_file() and _first_line(path) == ",".join(self.columns)
+        self._file = open(path, "a" if append else "w", newline="")
+        self._writer = csv.writer(self._file)
+        if not append:
+            self._writer.writerow(self.columns)
+        self._file.flush()
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            unknown = set(row) - set(self.columns)
+            if unknown:
+                raise KeyError(f"unknown telemetry columns: {sorted(unknown)}")
+            self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
