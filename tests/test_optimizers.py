@@ -16,7 +16,7 @@ from conftest import compose_config
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.loss import chunked_tied_ce
-from trmoe.train.muon import muon_direction, orthogonalize
+from trmoe.train.muon import Muon, muon_direction, orthogonalize
 from trmoe.train.optim import GroupLRs, OptimizerSet, build_optimizer
 from trmoe.train.schedule import apply_lr
 from trmoe.train.stosignsgd import StoSignSGD
@@ -262,3 +262,48 @@ def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
         torch.testing.assert_close(ranks[0]["grad_sq"], ref_grad_sq, rtol=1e-4, atol=1e-10)
         # token counters are summed over the ranks: the whole batch, K route slots per token, per layer
         assert [r["route_slots"] for r in ranks[0]["rows"]] == [steps * 4 * 16 * 2] * 2
+
+
+def test_every_optimizer_option_reaches_its_update_rule():
+    cfg, model = tiny(
+        "optimizer=muon_tr",
+        "optimizer.muon_momentum=0.8",
+        "optimizer.muon_nesterov=false",
+        "optimizer.muon_ns_steps=3",
+        "optimizer.muon_update_rms=0.4",
+        "optimizer.muon_lr_scale=2",
+        "optimizer.expert_weight_decay=0.01",
+    )
+    muon = build_optimizer(model, cfg.optimizer, CPU).optimizers["muon"]
+    for g in muon.param_groups:
+        assert (g["momentum"], g["nesterov"], g["ns_steps"], g["update_rms"]) == (0.8, False, 3, 0.4)
+        assert g["base_lr"] == pytest.approx(2e-3) and g["weight_decay"] == 0.01
+    cfg, model = tiny("optimizer=stosignsgd", "optimizer.stosign_max_decay=0.9", "optimizer.beta1=0.5")
+    opt = build_optimizer(model, cfg.optimizer, CPU, seed=11)
+    assert opt.seed == 11 and all(g["max_decay"] == 0.9 and g["beta"] == 0.5 for g in opt.param_groups)
+
+
+def test_muon_update_rms_scales_the_step():
+    def step_rms(update_rms):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(3, 32, 16))
+        opt = Muon([w], lr=0.1, update_rms=update_rms)
+        w.grad = torch.randn(3, 32, 16)
+        before = w.detach().clone()
+        opt.step()
+        return float((w.detach() - before).pow(2).mean().sqrt())
+
+    assert step_rms(0.4) == pytest.approx(2 * step_rms(0.2), rel=1e-5)
+
+
+def test_stosign_max_decay_lets_the_scale_forget():
+    def scale_after(d):
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = StoSignSGD([p], lr=1e-3, beta=0.0, max_decay=d)
+        for g in (10.0, 1.0, 1.0):
+            p.grad = torch.full((4,), g)
+            opt.step()
+        return opt.state[p]["max_scale"]
+
+    assert torch.equal(scale_after(1.0), torch.full((4,), 10.0))  # a running maximum
+    torch.testing.assert_close(scale_after(0.5), torch.full((4,), 2.5))  # 10 * 0.5 * 0.5

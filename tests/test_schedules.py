@@ -12,6 +12,7 @@ import torch
 from conftest import compose_config
 
 from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.schema import DiversityTarget
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.diversity import expert_diversity
@@ -191,3 +192,22 @@ def test_expert_diversity_penalty_values_and_effect(tmp_path):
         assert float(last["diversity_lambda"]) == pytest.approx(lam)
         finals[lam] = float(last["diversity"])
     assert finals[100.0] < 0.5 * finals[1e-9]
+
+
+def test_diversity_target_all_also_compares_the_gate_and_up_halves():
+    cfg = to_config(compose_config("data=random", "model.vocab_size=64"))
+    torch.manual_seed(0)
+    model = TRMoETransformer(model_spec(cfg))
+    with torch.no_grad():  # identical up halves, orthogonal-ish everything else
+        for block in model.blocks:
+            w_in = block.ffn.routed.w_in
+            half = w_in.shape[-1] // 2
+            w_in[..., half:] = w_in[:1, :, half:]
+    w_out_only = float(expert_diversity(model, DiversityTarget.w_out).detach())
+    everything = float(expert_diversity(model, DiversityTarget.all).detach())
+    assert w_out_only < 0.1 and everything > 0.3  # the identical up halves count only with target=all
+
+
+def test_shared_gate_schedule():
+    s = schedules("trainer.steps=10", "model.shared_gate_final=0.5", "model.gate_ramp=0", "model.gates=true")
+    assert s.shared_gate(1) == 0.5 and s.routed_gate is None  # ramp 0: the final value from step 1

@@ -2,9 +2,10 @@
 
     python -m trmoe.tools.telemetry_overhead [--steps 40] [--log-every 10] [config overrides ...]
 
-Builds the configured model twice from the same seed, one with telemetry attached, and times full
-training steps (forward, loss, backward, grad norms at log steps, clipping, optimizer step, collection at
-log steps) in alternating blocks, so that drift of a shared machine hits both alike. Prints the median
+Builds the configured model once and times full training steps (forward, loss, backward, grad norms at
+log steps, clipping, optimizer step, collection at log steps) in alternating blocks: with telemetry
+attached (hooks registered, counters on the device) and detached (no hooks, no counters: what
+telemetry.moe=false runs), so that drift of a shared machine hits both alike. Prints the median and mean
 step time of each and the relative overhead. No files are written.
 """
 
@@ -25,13 +26,6 @@ from trmoe.train import env
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
 from trmoe.train.telemetry import MoETelemetry
-
-
-def _setup(cfg, spec, device, telemetry: bool):
-    torch.manual_seed(cfg.trainer.seed)
-    model = TRMoETransformer(spec).to(device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
-    return model, optimizer, (MoETelemetry(model, device) if telemetry else None)
 
 
 def _step(model, optimizer, tel, inputs, targets, log: bool) -> None:
@@ -66,25 +60,29 @@ def main(argv: list[str] | None = None) -> None:
     spec = model_spec(cfg)
     data = build_data(cfg, spec.vocab_size)
     t = cfg.trainer
-    variants = {name: _setup(cfg, spec, device, name == "on") for name in ("off", "on")}
+    torch.manual_seed(t.seed)
+    model = TRMoETransformer(spec).to(device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
     times: dict[str, list[float]] = {"off": [], "on": []}
     step = 0
-    for name in ("off", "on"):  # warm-up
-        _step(*variants[name], *data.train.batch(0, t.micro_batch), log=True)
     while len(times["on"]) < args.steps:
         for name in ("off", "on"):
-            for _ in range(args.block):
+            tel = MoETelemetry(model, device) if name == "on" else None
+            for i in range(args.block + 1):  # the first step of a block is a warm-up, not timed
                 inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
                 inputs, targets = inputs.to(device), targets.to(device)
                 log = step % args.log_every == 0
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                _step(*variants[name], inputs, targets, log=log)
+                _step(model, optimizer, tel, inputs, targets, log=log)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - start)
+                if i > 0:
+                    times[name].append(time.perf_counter() - start)
                 step += 1
+            if tel is not None:
+                tel.remove()
     if hasattr(data, "close"):
         data.close()
     tokens = t.micro_batch * t.seq_len
