@@ -271,7 +271,7 @@ def check(
         if item == "seeds":
             items.append(_seed_item(arms, warnings))
             continue
-        diffs = differing[item]
+        diffs = sorted(differing[item], key=lambda d: d[2])  # the unexplained differences first
         if not diffs:
             items.append(CheckItem(item, title, "same", _same_detail(item, common, arms)))
             continue
