@@ -88,17 +88,25 @@ def test_dispatch_equals_naive_per_token_reference(strategy, experts, top_k, p):
 
 
 def test_dispatch_does_k_rows_of_work_per_token(monkeypatch):
-    """Count the rows each expert multiplies: K x tokens in total, never E x tokens."""
+    """Count the rows each expert multiplies: K x tokens in total, never E x tokens, and each group holds
+    exactly the rows its expert owns."""
     import trmoe.model.moe as moe
 
-    rows = []
-    real = moe.swiglu
-    monkeypatch.setattr(moe, "swiglu", lambda x, w_in, w_out: rows.append(x.shape[0]) or real(x, w_in, w_out))
+    calls = []
+    real = moe.grouped_mm
+
+    def counting(rows, weights, ends):
+        calls.append((rows.shape[0], torch.diff(ends, prepend=ends.new_zeros(1)).tolist()))
+        return real(rows, weights, ends)
+
+    monkeypatch.setattr(moe, "grouped_mm", counting)
     module = RoutedExperts(
         8, 32, 4, 2, 0.5, vocab_size=1000, layer=0, strategy="modulo_cyclic", seed=0, hash_count=2
     )
-    module(torch.randn(500, 8), torch.randint(0, 1000, (500,)))
-    assert sum(rows) == 2 * 500 and len(rows) <= 4
+    ids = torch.randint(0, 1000, (500,))
+    module(torch.randn(500, 8), ids)
+    owned = torch.bincount(module.route_table[:, ids].reshape(-1).long(), minlength=4).tolist()
+    assert calls == [(2 * 500, owned), (2 * 500, owned)]  # up/gate and down projections: K x N rows each
 
 
 def test_dense_control_equals_one_swiglu_of_combined_width():
@@ -196,3 +204,20 @@ def test_route_tables_are_persistent_buffers_and_causality_holds():
     changed = ids.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % 300
     torch.testing.assert_close(model(ids)[:, :10], model(changed)[:, :10])
+
+
+def test_grouped_gemm_path_equals_the_per_expert_loop_on_cpu(monkeypatch):
+    """fp32 on CPU takes torch's grouped GEMM; the per-expert loop (its fallback) gives the same result."""
+    import trmoe.model.moe as moe
+
+    torch.manual_seed(0)
+    module = RoutedExperts(
+        16, 64, 4, 2, 0.7, vocab_size=1000, layer=0, strategy="multi_hash", seed=0, hash_count=2
+    )
+    for p in module.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    x, ids = torch.randn(300, 16), torch.randint(0, 1000, (300,))
+    assert moe._grouped_mm_ok(x, module.w_in)
+    fast = module(x, ids, 0.5)
+    monkeypatch.setattr(moe, "_grouped_mm_ok", lambda rows, weights: False)
+    torch.testing.assert_close(fast, module(x, ids, 0.5))

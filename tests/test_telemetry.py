@@ -142,10 +142,11 @@ def test_branch_rms_is_the_scaled_gated_contribution():
     ffn.routed_scale = 2.0
     tel = MoETelemetry(model, torch.device("cpu"))
     x, ids = torch.randn(10, 64), torch.arange(10)
-    with tel.recording(), torch.no_grad():
-        ffn(x, ids)
-        raw = ffn.routed(x, ids)
-    # the routed hook ran twice (inside ffn, and the direct call), each time with factor 0.25 * 2
+    with torch.no_grad():
+        raw = ffn.routed(x, ids)  # not recorded: the branch without its gate x scale
+        with tel.recording():
+            ffn(x, ids)
+    # what the FFN adds to the residual stream: the raw branch times gate 0.25 x scale 2
     expected = raw.pow(2).mean().sqrt() * 0.5
     _, rows = tel.collect(step=1, grad_sq=None)
     assert rows[0]["routed_rms"] == pytest.approx(float(expected), rel=1e-5)

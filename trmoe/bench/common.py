@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path("bench") / "results.jsonl"
+RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
 
 
 def machine() -> dict:
@@ -72,10 +73,26 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, 
     return 2 * n**3 / result["mm"]["median_s"]
 
 
-def record(name: str, payload: dict, out: Path = RESULTS) -> dict:
+def record(name: str, payload: dict, out: Path | None = None) -> dict:
     """Append one result line (with the machine it ran on) to bench/results.jsonl and return it."""
+    out = out or Path(os.environ.get("TRMOE_RESULTS", RESULTS))
     entry = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **payload}
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return entry
+
+
+def layer_args(name: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """Arguments of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, with
+    device-dependent defaults filled in."""
+    parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
+    parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    args = parser.parse_args(argv)
+    gpu = args.device.startswith("cuda")
+    args.tokens = args.tokens or (8 * 2048 if gpu else 2 * 2048)
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    return args

@@ -7,12 +7,11 @@ active-width one.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
 
-from trmoe.bench.common import record, time_interleaved
+from trmoe.bench.common import layer_args, record, time_interleaved
 from trmoe.model.moe import SharedExpert, TRMoEFFN
 
 LAYOUTS = {  # name: (hidden, shared width, routed width)
@@ -22,7 +21,18 @@ LAYOUTS = {  # name: (hidden, shared width, routed width)
 }
 
 
-def _tr_ffn(hidden: int, shared: int, routed: int, experts: int, top_k: int, vocab: int) -> TRMoEFFN:
+def tr_ffn(
+    hidden: int,
+    shared: int,
+    routed: int,
+    experts: int,
+    top_k: int,
+    vocab: int,
+    *,
+    strategy: str = "modulo_cyclic",
+    std: float = 0.02,
+) -> TRMoEFFN:
+    """A TR-MoE FFN with gates on (p = 0.5), its matrices drawn from N(0, std)."""
     ffn = TRMoEFFN(
         hidden,
         shared,
@@ -37,13 +47,13 @@ def _tr_ffn(hidden: int, shared: int, routed: int, experts: int, top_k: int, voc
         routed_scale=1.0,
         vocab_size=vocab,
         layer=0,
-        strategy="modulo_cyclic",
+        strategy=strategy,
         seed=0,
         hash_count=2,
     )
     for p in ffn.parameters():
         if p.ndim >= 2:
-            torch.nn.init.normal_(p, 0.0, 0.02)
+            torch.nn.init.normal_(p, 0.0, std)
     return ffn
 
 
@@ -60,17 +70,19 @@ def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, *args: torch.Tensor) -> N
     module(x, *args).sum().backward()
 
 
-def run(tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu") -> list[dict]:
-    dev = torch.device(device)
+def run(
+    tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu", dtype: str = "float32"
+) -> list[dict]:
+    dev, dt = torch.device(device), getattr(torch, dtype)
     vocab = 200_019
     torch.manual_seed(0)
     results = []
     for name, (hidden, shared, routed) in LAYOUTS.items():
         active = shared + top_k * routed // experts
-        tr = _tr_ffn(hidden, shared, routed, experts, top_k, vocab).to(dev)
-        dense_stored = _dense(hidden, shared + routed).to(dev)
-        dense_active = _dense(hidden, active).to(dev)
-        x = torch.randn(tokens, hidden, device=dev, requires_grad=True)
+        tr = tr_ffn(hidden, shared, routed, experts, top_k, vocab).to(dev, dt)
+        dense_stored = _dense(hidden, shared + routed).to(dev, dt)
+        dense_active = _dense(hidden, active).to(dev, dt)
+        x = torch.randn(tokens, hidden, device=dev, dtype=dt, requires_grad=True)
         ids = torch.randint(0, vocab, (tokens,), device=dev)
 
         cases = {
@@ -86,6 +98,7 @@ def run(tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: st
                 {
                     "layout": name,
                     "device": device,
+                    "dtype": dtype,
                     "tokens": tokens,
                     "hidden": hidden,
                     "shared_width": shared,
@@ -105,13 +118,8 @@ def run(tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trmoe.bench ffn", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=7)
-    args = parser.parse_args(argv)
-    tokens = args.tokens or (8 * 2048 if args.device == "cuda" else 2 * 2048)
-    for r in run(tokens, reps=args.reps, device=args.device):
+    args = layer_args("ffn", __doc__, argv)
+    for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype):
         print(
             f"{r['layout']:>14}: TR {r['timings']['tr']['median_s'] * 1e3:7.2f} ms | "
             f"vs dense stored {r['ratio_vs_dense_stored']:.3f}x (ideal {r['ideal_ratio_vs_stored']:.3f}) | "

@@ -7,9 +7,11 @@ experts of width routed_width / E; r_k(t) is the k-th expert of token id t in th
 w_0 = p and w_k = (1 - p) / (K - 1) for k >= 1; g_s, g_r are optional learnable scalar gates; a, b are fixed
 output scales (optionally interpolated over depth by the caller).
 
-Dispatch: each token runs through exactly its K experts. The (token, route) pairs are sorted by expert, each
-expert does one matmul over its contiguous slice, and the weighted outputs are scattered back with one
-index_add. Work is K x tokens expert rows, never E x tokens.
+Dispatch: each token runs through exactly its K experts. The (token, route) pairs are sorted by expert so
+each expert's rows are contiguous, both projections run as one grouped GEMM over those groups (the group
+offsets stay on the device: no host sync), the route weight and the branch's gate x scale multiply the
+narrow [rows, W] activation rather than the [rows, H] outputs, and one index_add sums each token's K rows.
+Work is K x tokens expert rows, never E x tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,41 @@ def swiglu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Te
     """SwiGLU with the gate and up projections fused in w_in [H, 2W]; w_out [W, H]."""
     gate, up = (x @ w_in).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ w_out
+
+
+# public since torch 2.10; the private op (CUDA, Hopper) before that
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [M, A] grouped contiguously, weights [G, A, B], ends [G] (cumulative row counts) -> [M, B]:
+    group g's rows times weights[g]. One grouped GEMM where torch has one for these shapes and dtypes
+    (offsets stay on the device, so no host sync); otherwise a loop over the groups (that reads the
+    offsets on the host)."""
+    if rows.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")  # autocast does not cover the grouped GEMM: cast as it would
+        rows, weights = rows.to(dtype), weights.to(dtype)
+    if _grouped_mm_ok(rows, weights):
+        return _GROUPED_MM(rows, weights, offs=ends.to(torch.int32))
+    bounds = [0] + ends.tolist()
+    return torch.cat([rows[bounds[g] : bounds[g + 1]] @ weights[g] for g in range(weights.shape[0])])
+
+
+def _grouped_mm_ok(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    # torch's grouped GEMM: fp32/bf16 on CPU, bf16 on Hopper or newer GPUs; 16-byte aligned row strides
+    if _GROUPED_MM is None or rows.dtype != weights.dtype or not rows.dtype.is_floating_point:
+        return False
+    if rows.dtype == torch.float64:
+        return False
+    if rows.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # the op's meta function (what torch.compile traces with) accepts bf16 only
+    if rows.device.type == "cuda":
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0):
+            return False
+    elif rows.device.type != "cpu" or not hasattr(F, "grouped_mm"):
+        return False
+    align = 16 // rows.element_size()
+    return rows.shape[1] % align == 0 and weights.shape[2] % align == 0
 
 
 def route_weights(top_k: int, primary_weight: float) -> list[float]:
@@ -86,6 +123,7 @@ class RoutedExperts(nn.Module):
         else:
             table = build_route_table(strategy, vocab_size, num_experts, top_k, layer, seed, hash_count)
         self.register_buffer("route_table", table)
+        self.register_buffer("expert_ids", torch.arange(num_experts, dtype=table.dtype), persistent=False)
 
     @property
     def primary_weight(self) -> float:
@@ -105,21 +143,24 @@ class RoutedExperts(nn.Module):
         self.primary_weight = self._primary_weight
         return self
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x [N, H], token_ids [N] -> [N, H]."""
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, scale: torch.Tensor | float = 1.0
+    ) -> torch.Tensor:
+        """x [N, H], token_ids [N] -> scale * sum_k w_k E_{r_k}(x), [N, H]."""
         if self.num_experts == 1:  # dense control: every token to the single expert, weight 1
-            return swiglu(x, self.w_in[0], self.w_out[0])
+            return swiglu(x, self.w_in[0], self.w_out[0]) * scale
         n = x.shape[0]
-        experts = self.route_table[:, token_ids].long().reshape(-1)  # [K*N], index = route * N + token
-        order = torch.argsort(experts, stable=True)  # group (token, route) pairs by expert
-        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
-        token_of, route_of = order % n, order // n
+        experts = self.route_table[:, token_ids].reshape(-1)  # [K*N], index = route * N + token
+        grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
+        # group boundaries found on the device (bincount would read its size on the host: a sync)
+        ends = torch.searchsorted(grouped, self.expert_ids, right=True)
+        token_of = order % n
         xs = x.index_select(0, token_of)
-        outs = [
-            swiglu(rows, self.w_in[e], self.w_out[e]) for e, rows in enumerate(xs.split(counts)) if counts[e]
-        ]
-        out = torch.cat(outs)
-        out = out * self.route_w.to(out.dtype)[route_of].unsqueeze(1)
+        # each row's route weight, times the branch factor afterwards: indexing a learnable 0-dim gate
+        # directly would make its gradient a K*N-way scatter into one element (slow on GPUs)
+        row_scale = self.route_w[order // n].unsqueeze(1).to(x.dtype) * scale  # [K*N, 1]
+        gate, up = grouped_mm(xs, self.w_in, ends).chunk(2, dim=-1)
+        out = grouped_mm(F.silu(gate) * up * row_scale, self.w_out, ends)
         return out.new_zeros(n, out.shape[1]).index_add_(0, token_of, out)
 
 
@@ -172,12 +213,14 @@ class TRMoEFFN(nn.Module):
         x, token_ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
         y = None
         if self.shared is not None:
-            y = self.shared(x) * self.shared_scale
-            if self.shared_gate is not None:
-                y = y * self.shared_gate
+            y = self.shared(x) * _factor(self.shared_scale, self.shared_gate)
         if self.routed is not None:
-            r = self.routed(x, token_ids) * self.routed_scale
-            if self.routed_gate is not None:
-                r = r * self.routed_gate
+            # gate x scale goes into the routed branch's narrow activation, not onto its [N, H] output
+            r = self.routed(x, token_ids, _factor(self.routed_scale, self.routed_gate))
             y = r if y is None else y + r
         return y.reshape(shape)
+
+
+def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:
+    """A branch's output factor: the fixed scale times the learnable gate (when there is one)."""
+    return scale if gate is None else gate * scale

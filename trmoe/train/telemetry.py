@@ -101,12 +101,11 @@ class MoETelemetry:
     def _routed_hook(self, layer: int, module, inputs, output) -> None:
         if not self._recording:
             return
-        ffn = self.ffns[layer]
         token_ids = inputs[1]
         routes = module.route_table[:, token_ids.reshape(-1)].reshape(-1).long()
         self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).double()
-        factor = self._branch_factor(ffn.routed_scale, ffn.routed_gate)
-        self.sumsq[layer, 1] += output.detach().pow(2).sum(dtype=torch.float64) * (factor * factor)
+        # the routed module's output already carries the branch's gate x scale (folded into its activation)
+        self.sumsq[layer, 1] += output.detach().pow(2).sum(dtype=torch.float64)
         self.numel[layer, 1] += output.numel()
 
     @torch.no_grad()
