@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,30 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Comple
         text=True,
         timeout=timeout,
     )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The output of a launched sweep, which must have succeeded."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def wait_until(
+    condition: Callable[[], bool], what: str, proc: subprocess.Popen, seconds: float = 120
+) -> None:
+    """Poll `condition` while `proc` runs; fail (with its output) if it ends or time runs out first."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.communicate()[0] if proc.poll() is not None else ""
+            pytest.fail(f"{what}: never happened\n{out[-3000:]}")
+        time.sleep(0.02)
 
 
 @pytest.fixture

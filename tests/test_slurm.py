@@ -1,17 +1,18 @@
 """A real single-node SLURM (tests/slurm/setup.sh: Debian's slurmctld, slurmd, slurm-client, munge, as root):
-a 2-job x 2-task sweep through hydra/launcher=submitit_slurm (hardware=slurm_local_test), then a job that
-`scontrol requeue` interrupts and that resumes in the same directory to the same final loss."""
+a 2-job x 2-task sweep through hydra/launcher=submitit_slurm (hardware=slurm_local_test), and beside it a
+job that `scontrol requeue` interrupts: its ranks save on SLURM's SIGTERM, and it resumes in the same
+directory from that step to the same final loss."""
 
 from __future__ import annotations
 
-import csv
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import finish, metrics_rows, wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,53 +64,49 @@ def _sweep(env, sweep_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+def _squeue(env, job: str, fmt: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", fmt], env=env, capture_output=True, text=True)
+    return out.stdout.strip()
 
 
 def test_sweep_and_requeue_on_a_real_slurm(slurm, tmp_path):
+    # The sweep, and beside it (the node has room for both) a third job with job 0's config that
+    # `scontrol requeue` interrupts once it trains. It has no periodic checkpoints: it can only resume from
+    # the one its ranks save on SLURM's SIGTERM, in the same directory.
     sweep = _sweep(slurm, tmp_path / "sweep", "routing=modulo_cyclic,multi_hash")
-    _finish(sweep)
-    for job in ("0", "1"):
-        d = tmp_path / "sweep" / job
-        rows = _rows(d)
-        assert int(rows[-1]["step"]) == STEPS, job
+    run = tmp_path / "requeued" / "0"
+    proc = _sweep(slurm, tmp_path / "requeued", "routing=modulo_cyclic", "checkpoint.every_steps=0")
+    metrics = run / "metrics.csv"
+    wait_until(
+        lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3, "training (step 1)", proc, 200
+    )
+    job = next(d.name for d in (run.parent / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", d.name))
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
+    # Once its ranks have ended, the requeued job is pending with a BeginTime (AuthInfo cred_expire + 1 s
+    # later; tests/slurm/setup.sh sets 10 s); then let it start at once.
+    wait_until(
+        lambda: _squeue(slurm, job, "%T %r") == "PENDING BeginTime", "the requeued job pending", proc, 200
+    )
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm, check=True)
+    finish(sweep, 300)
+    finish(proc, 300)
+
+    for name in ("0", "1"):
+        d = tmp_path / "sweep" / name
+        rows = metrics_rows(d)
+        assert int(rows[-1]["step"]) == STEPS, name
         assert (d / "logs" / "rank_1.log").is_file()  # two ranks (tasks) in one job directory
         assert '"world_size": 2' in (d / "run_config.json").read_text()
-    assert _rows(tmp_path / "sweep" / "0")[-1] != _rows(tmp_path / "sweep" / "1")[-1]  # two configs
+    assert (
+        metrics_rows(tmp_path / "sweep" / "0")[-1] != metrics_rows(tmp_path / "sweep" / "1")[-1]
+    )  # two configs
 
-    # The same config as job 0, requeued once it has a checkpoint: it resumes in the same directory.
-    run = tmp_path / "requeued" / "0"
-    proc = _sweep(slurm, tmp_path / "requeued", "routing=modulo_cyclic")
-    deadline = time.time() + 200
-    while not (run / "checkpoints" / "step_00000020").is_dir():
-        assert time.time() < deadline and proc.poll() is None, "the job never reached its first checkpoint"
-        time.sleep(0.1)
-    job = subprocess.run(
-        ["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True
-    ).stdout.split()
-    assert job, "no job in the queue"
-    subprocess.run(["scontrol", "requeue", job[0]], env=slurm, check=True)
-    # a requeued job waits (BeginTime) before it may start again: let it start now
-    for _ in range(100):
-        if (
-            subprocess.run(["scontrol", "update", f"jobid={job[0]}", "StartTime=now"], env=slurm).returncode
-            == 0
-        ):
-            break
-        time.sleep(0.2)
-    _finish(proc)
     log = (run / "train.log").read_text()
-    assert "=== resume from step" in log, log[-3000:]
-    expected = _rows(tmp_path / "sweep" / "0")[-1]
-    final = _rows(run)[-1]
+    stopped = re.search(r"stopped at step (\d+) on SIGTERM; checkpoint saved", log)
+    assert stopped, log[-3000:]  # SLURM's SIGTERM reached the ranks, and rank 0 saved that step
+    assert f"=== resume from step {stopped[1]} " in log, log[-3000:]
+    expected = metrics_rows(tmp_path / "sweep" / "0")[-1]
+    final = metrics_rows(run)[-1]
     assert int(final["step"]) == STEPS
     assert float(final["eval_loss"]) == pytest.approx(float(expected["eval_loss"]), rel=1e-6)
     assert float(final["train_loss"]) == pytest.approx(float(expected["train_loss"]), rel=1e-6)

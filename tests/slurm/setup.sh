@@ -4,6 +4,7 @@
 #   tests/slurm/setup.sh start [STATE_DIR]   install (apt-get) if needed, write slurm.conf, start the daemons
 #   tests/slurm/setup.sh stop  [STATE_DIR]   stop the daemons it started, by the PIDs it recorded
 # Clients find the cluster through SLURM_CONF=$STATE_DIR/slurm.conf (the system's /etc/slurm is untouched).
+# A requeued job may start again only cred_expire + 1 s after its requeue: 121 s by default, 11 s here.
 # Exit 3 (and a line on stderr) when the packages cannot be installed: the caller skips with that reason.
 set -euo pipefail
 cmd=${1:-start}
@@ -49,6 +50,7 @@ SlurmUser=root
 SlurmctldPort=16817
 SlurmdPort=16818
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from trmoe.config.schema import Config, DataSource
+from trmoe.config.schema import Config, DataSource, TrainerConfig
 from trmoe.data.corpus import SPLIT_RULE, load_corpus
 from trmoe.data.evalsets import bits_per_byte, describe_streams, scored_bytes, scored_tokens
 from trmoe.data.sampler import RandomTokens, WindowSampler, eval_batches
@@ -37,6 +37,16 @@ STATE_VERSION = 1
 
 class Source(Protocol):
     def batch(self, first_sample: int, count: int) -> Batch: ...
+
+
+def global_batch_samples(t: TrainerConfig, world_size: int) -> int:
+    """B, the global batch in samples (sequences) of one optimizer step: micro_batch x grad_accum x world."""
+    return t.micro_batch * t.grad_accum * world_size
+
+
+def global_batch_tokens(t: TrainerConfig, world_size: int) -> int:
+    """tokens_per_step: micro_batch x seq_len x world x grad_accum (the loop, resume checks, the planner)."""
+    return global_batch_samples(t, world_size) * t.seq_len
 
 
 def micro_batch_samples(

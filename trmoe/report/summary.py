@@ -6,6 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from trmoe.model.flops import flops_terms
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
@@ -43,17 +44,25 @@ def throughput_rows(run: Run) -> list[tuple[float, float, float]]:
 
 
 def flops_per_token(run: Run) -> float | None:
-    """Training FLOPs per token: 6 x active non-embedding parameters + 6 x L x H x S (causal attention
-    scores) + 6 x H x V (the tied head), the definition `trmoe.bench step` uses."""
+    """Training FLOPs per token: 6 x active non-embedding parameters + 6 x L x S x d_attn (causal attention
+    scores) + 6 x H x V (the tied head), the definition of trmoe.model.flops (`trmoe.bench step`, the
+    planner)."""
     spec, params = run.record.get("model_spec") or {}, run.record.get("params") or {}
     seq = run.config_value("trainer.seq_len")
     try:
-        non_embedding_active = params["active"] - params["embedding"]
-        attention = 6 * spec["num_layers"] * spec["hidden_size"] * seq
-        head = 6 * spec["hidden_size"] * spec["embedding_rows"]
+        terms = flops_terms(
+            active=params["active"],
+            embedding=params["embedding"],
+            num_layers=spec["num_layers"],
+            num_heads=spec["num_heads"],
+            head_dim=spec["head_dim"],
+            hidden_size=spec["hidden_size"],
+            embedding_rows=spec["embedding_rows"],
+            seq_len=seq,
+        )
     except (KeyError, TypeError):
         return None
-    return 6 * non_embedding_active + attention + head
+    return terms.total
 
 
 def peak_flops(run: Run, override: float | None) -> float | None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 log = logging.getLogger("trmoe")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+_exported_by_submitit = False  # detect() has set TORCHRUN_VARS from a submitit job's ranks
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,15 @@ class DistEnv:
 
 
 def detect() -> DistEnv:
-    """The distributed environment of this process (reads the environment only; starts nothing)."""
+    """The distributed environment of this process. Starts nothing; a submitit job's ranks are exported
+    as the env:// variables that init_process_group reads."""
+    global _exported_by_submitit
     if all(k in os.environ for k in TORCHRUN_VARS):
         return DistEnv(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             local_rank=int(os.environ["LOCAL_RANK"]),
-            source="torchrun",
+            source=_launcher(),
         )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         from submitit.helpers import TorchDistributedEnvironment
@@ -61,8 +64,15 @@ def detect() -> DistEnv:
         if env.world_size > 1:
             # MASTER_ADDR/PORT, RANK, WORLD_SIZE for env:// (the GPUs are left as SLURM bound them)
             env.export(set_cuda_visible_devices=False, overwrite=True)
+            _exported_by_submitit = True
         return DistEnv(env.rank, env.world_size, env.local_rank, source="submitit")
     return DistEnv()
+
+
+def _launcher() -> str:
+    """torchrun, or submitit once `detect` has exported submitit's ranks as torchrun's variables in this
+    process (the variables are the same then; the launcher is not)."""
+    return "submitit" if _exported_by_submitit else "torchrun"
 
 
 def backend_for(device: torch.device) -> str:
@@ -102,13 +112,23 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where the tensors of a collective must live: NCCL (RCCL) reduces on this rank's GPU (`init` made it
+    the current device), gloo on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
-    """Sums over ranks of scalar tensors (one collective for all of them); copies, inputs untouched."""
-    stacked = torch.stack([v.detach().double().reshape(()) for v in values])
-    if active():
-        if dist.get_backend() == "gloo":
-            stacked = stacked.cpu()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    """Sums over ranks of scalar tensors (one collective for all of them); copies, inputs untouched.
+    The values may live on different devices (a CPU count next to device sums): they are gathered on
+    the collective's device first."""
+    if not active():
+        return list(torch.stack([v.detach().double().reshape(()) for v in values]).unbind())
+    device = collective_device()
+    stacked = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) for v in values])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     return list(stacked.unbind())
 
 

@@ -14,7 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.match import solve_match
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Config, Progress, SpikePolicy
-from trmoe.data.pipeline import Batch, build_data, micro_batch_samples
+from trmoe.data.pipeline import (
+    Batch,
+    build_data,
+    global_batch_samples,
+    global_batch_tokens,
+    micro_batch_samples,
+)
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.train import distributed, env, guards, parallel, records, resume, signals, status
@@ -180,8 +186,8 @@ def _train(
     else:
         ddp = None
 
-    samples_per_step = t.micro_batch * t.grad_accum * world_size
-    tokens_per_step = samples_per_step * t.seq_len
+    samples_per_step = global_batch_samples(t, world_size)
+    tokens_per_step = global_batch_tokens(t, world_size)
     log.info("run directory: %s", run_dir)
     if world_size > 1:
         log.info("%d ranks (%s), strategy %s", world_size, dist_env.source, strategy)
@@ -359,6 +365,7 @@ def _train(
                 (objective if penalty is None else objective + penalty).backward()
             step_ce += sums.ce.double()
             step_obj += sums.total.detach().double()
+            del hidden, sums, objective  # the loss's stored dh / dW (4·V·H bytes) must not outlive the step
         parallel.average_gradients(replicated)
         controls.before_clip(is_log_step(step, cfg))
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -436,7 +443,9 @@ def _train(
             progress.close()
             metrics.close()
             controls.close()
-            raise signals.Preempted(signum, step, stop.previous(signum))
+            preempted = signals.Preempted(signum, step, stop.previous(signum))
+            log.warning("%s (the requeued job resumes from it)", preempted)  # in train.log: why it ended
+            raise preempted
     progress.close()
     metrics.close()
     controls.close()

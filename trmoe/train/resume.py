@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.schema import Config
+from trmoe.data.pipeline import global_batch_tokens
 from trmoe.errors import UserError
 from trmoe.train import records
 from trmoe.train.checkpoint import (
@@ -105,7 +106,7 @@ def config_container(raw_cfg: DictConfig) -> dict[str, Any]:
 def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) -> dict[str, Any]:
     t = cfg.trainer
     return {
-        "global_batch_tokens": t.micro_batch * t.seq_len * world_size * t.grad_accum,
+        "global_batch_tokens": global_batch_tokens(t, world_size),
         "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
         "world_size": world_size,
     }

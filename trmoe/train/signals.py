@@ -54,6 +54,7 @@ class StopSignals:
         self.signals = signals
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}
+        self._flag = None  # agreed(): the all-reduced stop flag, on the collective's device
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested is None:
@@ -78,14 +79,20 @@ class StopSignals:
 
     def agreed(self) -> int | None:
         """The stop request agreed by every rank (any rank's signal stops all of them at the same step).
-        Distributed: one tiny all-reduce per step (a CPU tensor: gloo; NCCL needs it on the device)."""
+        Distributed: one tiny all-reduce per step, on the collective's device (the GPU for NCCL, the CPU
+        for gloo); reading its result is its one host sync. The flag tensor is made once: filling it is a
+        kernel launch, while a new CUDA tensor made from a Python value is a blocking copy, a second sync."""
         import torch
 
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self.requested
-        flag = torch.tensor([self.requested or 0], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item()) or None
+        if self._flag is None:
+            from trmoe.train.distributed import collective_device
+
+            self._flag = torch.zeros((), dtype=torch.int64, device=collective_device())
+        self._flag.fill_(self.requested or 0)
+        torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
+        return int(self._flag.item()) or None
 
 
 def hand_over(stop: Preempted) -> NoReturn:
