@@ -14,6 +14,7 @@ import time
 import torch
 
 from trmoe.bench.common import matmul_peak_flops, record, sync
+from trmoe.model.flops import flops_per_token  # the formula the planner uses too
 
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -29,38 +30,41 @@ def _components(overrides: list[str]):
     return cfg, model_spec(cfg)
 
 
-def flops_per_token(spec, params, seq_len: int) -> float:
-    non_embedding_active = params.active - params.embedding
-    attention = 6 * spec.num_layers * spec.hidden_size * seq_len
-    head = 6 * spec.hidden_size * spec.embedding_rows
-    return 6 * non_embedding_active + attention + head
-
-
-def measure(overrides: list[str], steps: int, device: torch.device) -> dict:
+def measure(overrides: list[str], steps: int, device: torch.device, compile_model: bool = False) -> dict:
+    """Median seconds of each part of a training step, as the train loop runs it: autocast from
+    hardware.precision, the configured loss backend (loss.backend), optionally torch.compile."""
     from trmoe.data.pipeline import build_data
     from trmoe.model.transformer import TRMoETransformer, count_parameters
-    from trmoe.train.loss import chunked_tied_ce
+    from trmoe.train import env
+    from trmoe.train.loss_backend import resolve_backend, training_loss
     from trmoe.train.optim import build_optimizer
 
     cfg, spec = _components(overrides)
     t = cfg.trainer
+    env.configure(cfg.hardware, device)  # threads; TF32 on CUDA, as the train loop sets them
     torch.manual_seed(0)
+    amp = env.autocast_dtype(cfg.hardware, device)
+    backend = resolve_backend(cfg.loss, device)
+    loss_fn = training_loss(cfg.loss, backend, amp)
     model = TRMoETransformer(spec).to(device)
+    forward = torch.compile(model) if compile_model else model
     params = count_parameters(model)
     optimizer = build_optimizer(model, cfg.optimizer, device)
     data = build_data(cfg, spec.vocab_size)
     split = {"data": [], "forward": [], "loss": [], "backward": [], "optimizer": []}
-    for step in range(steps + 2):  # two warm-up steps
+    for step in range(steps + 2):  # two warm-up steps (and torch.compile's compilation)
         marks = [time.perf_counter()]
         inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
         inputs, targets = inputs.to(device), targets.to(device)
         sync(device)
         marks.append(time.perf_counter())
-        hidden = model(inputs)
+        with env.autocast(device, amp):
+            hidden = forward(inputs)
         sync(device)
         marks.append(time.perf_counter())
+        # the loss (with its head GEMMs) timed on its own: cut the graph at the final hidden states
         hidden_leaf = hidden.detach().requires_grad_()
-        sums = chunked_tied_ce(hidden_leaf, model.head_weight, targets, chunk_tokens=cfg.loss.chunk_tokens)
+        sums = loss_fn(hidden_leaf, model.head_weight, targets)
         (sums.total / targets.numel()).backward()
         sync(device)
         marks.append(time.perf_counter())
@@ -78,8 +82,11 @@ def measure(overrides: list[str], steps: int, device: torch.device) -> dict:
     seconds = {k: sorted(v)[len(v) // 2] for k, v in split.items()}
     step_s = sum(seconds.values())
     fpt = flops_per_token(spec, params, t.seq_len)
-    return {
+    out = {
         "overrides": overrides,
+        "loss_backend": backend.value,
+        "autocast": None if amp is None else str(amp).replace("torch.", ""),
+        "compile": compile_model,
         "params_total": params.total,
         "params_active": params.active,
         "tokens_per_step": tokens,
@@ -89,38 +96,52 @@ def measure(overrides: list[str], steps: int, device: torch.device) -> dict:
         "flops_per_token": fpt,
         "achieved_flops": fpt * tokens / step_s,
     }
+    if device.type == "cuda":
+        out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del model, forward, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trmoe.bench step", description=__doc__)
     parser.add_argument("--model", nargs="+", default=["tiny", "100m"])
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch; default 1 on CPU, 8 on GPU")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pair", action="store_true", help="also time the matched dense control (E=1, K=1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    batch = args.batch or (8 if device.type == "cuda" else 1)
+    measured_peak = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
-        peak_source = "datasheet bf16"
+        peak_source = "datasheet dense bf16"
+        measured_peak = matmul_peak_flops(device, torch.bfloat16, n=8192)
     else:
         peak, peak_source = matmul_peak_flops(device), "measured fp32 2048^3 GEMM"
     for model in args.model:
         base = [
             f"model={model}",
-            f"trainer.micro_batch={args.batch}",
+            f"trainer.micro_batch={batch}",
             f"trainer.seq_len={args.seq}",
             "data=embedded",
+            *(["hardware=cuda"] if device.type == "cuda" else []),
             *args.overrides,
         ]
         arms = {"tr": base}
         if args.pair:
             arms["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
-        measured = {arm: measure(o, args.steps, device) for arm, o in arms.items()}
+        measured = {arm: measure(o, args.steps, device, args.compile) for arm, o in arms.items()}
         payload = {"model": model, "device": str(device), "peak_flops": peak, "peak_source": peak_source}
+        if measured_peak:
+            payload["measured_bf16_gemm_flops"] = measured_peak
         for arm, m in measured.items():
             m["mfu"] = m["achieved_flops"] / peak if peak else None
             payload[arm] = m

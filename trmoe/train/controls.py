@@ -22,6 +22,7 @@ from torch import nn
 from trmoe.config.schema import Config, LossBackend
 from trmoe.errors import UserError
 from trmoe.train.diversity import expert_diversity
+from trmoe.train.env import autocast_dtype
 from trmoe.train.loss import LossSums
 from trmoe.train.loss_backend import resolve_backend, training_loss
 from trmoe.train.optim import GroupLRs, describe_groups
@@ -73,7 +74,8 @@ class TrainingControls:
             if self.schedules.routed_gate is not None and ffn.routed_gate is not None:
                 ffn.routed_gate.requires_grad_(False)
         self.loss_backend = check_controls(cfg, device)
-        self.loss_fn = training_loss(cfg.loss, self.loss_backend)
+        # under autocast the tied head's GEMMs run in the autocast dtype too (fp32 softmax and dW sums)
+        self.loss_fn = training_loss(cfg.loss, self.loss_backend, autocast_dtype(cfg.hardware, device))
         if self.loss_backend == LossBackend.liger and cfg.loss.label_smoothing > 0:
             log.warning(
                 "loss.backend=liger with label smoothing: liger reports only the smoothed loss, so "

@@ -125,10 +125,22 @@ def _chunked_loss(cfg: LossConfig) -> LossFn:
     return loss
 
 
-def training_loss(cfg: LossConfig, backend: LossBackend) -> LossFn:
-    """The training loss function of a resolved backend: (hidden, tied weight, targets) -> LossSums."""
+def training_loss(cfg: LossConfig, backend: LossBackend, compute_dtype: torch.dtype | None = None) -> LossFn:
+    """The training loss function of a resolved backend: (hidden, tied weight, targets) -> LossSums.
+
+    compute_dtype (the run's autocast dtype, bf16/fp16 on GPUs): the head's GEMMs run in it, as every
+    other matmul of the step does; the backends still reduce the softmax and accumulate dW in fp32, and
+    the gradient reaches the fp32 master weight through the cast."""
     if backend == LossBackend.torch:
-        return _torch_loss(cfg)
-    if backend == LossBackend.liger:
-        return _liger_loss(cfg)
-    return _chunked_loss(cfg)
+        fn = _torch_loss(cfg)
+    elif backend == LossBackend.liger:
+        fn = _liger_loss(cfg)
+    else:
+        fn = _chunked_loss(cfg)
+    if compute_dtype is None:
+        return fn
+
+    def in_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> LossSums:
+        return fn(hidden.to(compute_dtype), weight.to(compute_dtype), targets)
+
+    return in_compute_dtype

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~8 minutes on
+# one H200; each part has its own time limit, the most important first). Log and results: ${OUT:-bench/gpu_out}.
+#   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss;
+#   2. benchmarks in bf16: ffn and dispatch at 8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
+#      and training steps of 100m and 300m (eager; 300m with liger and with torch.compile) with MFU against the
+#      datasheet bf16 peak (and the bf16 GEMM peak measured in the same run);
+#   3. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back.
+# Packages the machine lacks (hydra-core, omegaconf, liger-kernel, ...) are taken from PYTHONPATH.
+set -uo pipefail
+OUT=${OUT:-bench/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRMOE_RESULTS="$OUT/results.jsonl"
+PY=${PYTHON:-python3}
+step() { echo; echo "== $* ($(date +%T))"; }
+{
+  step machine
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  step tests
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_loss_backends.py tests/test_model.py
+  step ffn
+  timeout 60 $PY -m trmoe.bench ffn
+  step "train steps, eager (loss=chunked, then loss=liger)"
+  timeout 120 $PY -m trmoe.bench step --model 100m 300m --steps 5
+  timeout 90 $PY -m trmoe.bench step --model 300m --steps 5 loss=liger
+  step "train steps, torch.compile (loss=chunked)"
+  timeout 150 $PY -m trmoe.bench step --model 300m --steps 5 --compile
+  step loss
+  timeout 75 $PY -m trmoe.bench loss --tokens 4096 16384 32768 --kinds chunked liger torch full --max-gb 60
+  step dispatch
+  timeout 45 $PY -m trmoe.bench dispatch
+  step "end-to-end training run"
+  TRMOE_RUN_DIR=/tmp/trmoe_gpu_run timeout 90 $PY -m trmoe.train model=tiny hardware=cuda loss=auto \
+    trainer.steps=60 trainer.micro_batch=16 trainer.seq_len=512 trainer.eval_every=30 run.progress=log
+  cp /tmp/trmoe_gpu_run/metrics.csv "$OUT/metrics.csv" 2>/dev/null
+  step done
+} 2>&1 | tee "$OUT/gpu_check.log"
