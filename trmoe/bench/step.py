@@ -1,9 +1,9 @@
 """`step`: full training steps (data, forward, loss, backward, optimizer) — tok/s, the time split, and MFU.
 
 FLOPs per token are counted from the model: 6 x active non-embedding parameters + 6 x L x H x S for causal
-attention scores + 6 x H x V for the tied head. The peak is a large fp32 GEMM measured in the same run on
-CPU, or the datasheet bf16 peak of the GPU. `--pair` also times the matched dense control (E=1, K=1,
-same total parameters) side by side.
+attention scores + 6 x H x V for the tied head. The peak is a 2048^3 fp32 GEMM timed after every measured
+step on CPU (its median), or the datasheet bf16 peak of the GPU. `--pair` also times the matched dense
+control (E=1, K=1, same total parameters) side by side.
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ def _components(overrides: list[str]):
     return cfg, model_spec(cfg)
 
 
-def measure(overrides: list[str], steps: int, device: torch.device, compile_model: bool = False) -> dict:
+def measure(
+    overrides: list[str], steps: int, device: torch.device, compile_model: bool = False, probe_n: int = 0
+) -> dict:
     """Median seconds of each part of a training step, as the train loop runs it: autocast from
-    hardware.precision, the configured loss backend (loss.backend), optionally torch.compile."""
+    hardware.precision, the configured loss backend (loss.backend), optionally torch.compile.
+    probe_n > 0: after every step, time one probe_n^3 GEMM in the run's dtype: the peak is measured
+    between the steps it is compared with (this machine's speed drifts by 10-20% over minutes)."""
     from trmoe.data.pipeline import build_data
     from trmoe.model.transformer import TRMoETransformer, count_parameters
     from trmoe.train import env
@@ -52,6 +56,9 @@ def measure(overrides: list[str], steps: int, device: torch.device, compile_mode
     optimizer = build_optimizer(model, cfg.optimizer, device)
     data = build_data(cfg, spec.vocab_size)
     split = {"data": [], "forward": [], "loss": [], "backward": [], "optimizer": []}
+    probe_s = []
+    if probe_n:
+        a, b = (torch.randn(probe_n, probe_n, device=device) for _ in range(2))
     for step in range(steps + 2):  # two warm-up steps (and torch.compile's compilation)
         marks = [time.perf_counter()]
         inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
@@ -76,8 +83,14 @@ def measure(overrides: list[str], steps: int, device: torch.device, compile_mode
         sync(device)
         marks.append(time.perf_counter())
         if step >= 2:
-            for name, a, b in zip(split, marks, marks[1:], strict=False):
-                split[name].append(b - a)
+            for name, t0, t1 in zip(split, marks, marks[1:], strict=False):
+                split[name].append(t1 - t0)
+        if probe_n:
+            start = time.perf_counter()
+            a @ b
+            sync(device)
+            if step >= 2:
+                probe_s.append(time.perf_counter() - start)
     tokens = t.micro_batch * t.seq_len
     seconds = {k: sorted(v)[len(v) // 2] for k, v in split.items()}
     step_s = sum(seconds.values())
@@ -96,6 +109,8 @@ def measure(overrides: list[str], steps: int, device: torch.device, compile_mode
         "flops_per_token": fpt,
         "achieved_flops": fpt * tokens / step_s,
     }
+    if probe_s:
+        out["peak_flops"] = 2 * probe_n**3 / sorted(probe_s)[len(probe_s) // 2]
     if device.type == "cuda":
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     del model, forward, optimizer
@@ -124,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
         peak_source = "datasheet dense bf16"
         measured_peak = matmul_peak_flops(device, torch.bfloat16, n=8192)
-    else:
-        peak, peak_source = matmul_peak_flops(device), "measured fp32 2048^3 GEMM"
+    else:  # measured between the steps, per arm (measure(probe_n=...))
+        peak, peak_source = None, "fp32 2048^3 GEMM timed after each measured step"
     for model in args.model:
         base = [
             f"model={model}",
@@ -138,12 +153,14 @@ def main(argv: list[str] | None = None) -> None:
         arms = {"tr": base}
         if args.pair:
             arms["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
-        measured = {arm: measure(o, args.steps, device, args.compile) for arm, o in arms.items()}
+        probe_n = 2048 if device.type == "cpu" else 0
+        measured = {arm: measure(o, args.steps, device, args.compile, probe_n) for arm, o in arms.items()}
         payload = {"model": model, "device": str(device), "peak_flops": peak, "peak_source": peak_source}
         if measured_peak:
             payload["measured_bf16_gemm_flops"] = measured_peak
         for arm, m in measured.items():
-            m["mfu"] = m["achieved_flops"] / peak if peak else None
+            arm_peak = m.get("peak_flops") or peak
+            m["mfu"] = m["achieved_flops"] / arm_peak if arm_peak else None
             payload[arm] = m
         if args.pair:
             payload["tr_over_dense_tok_s"] = measured["tr"]["tok_s"] / measured["dense"]["tok_s"]
@@ -151,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         for arm, m in measured.items():
             split = " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in m["split_s"].items())
             mfu = f"{m['mfu']:.1%}" if m["mfu"] else "n/a"
-            print(f"{model:>6} {arm:>5}: {m['tok_s']:8.1f} tok/s  MFU {mfu}  ({split})")
+            peak_s = f" of {m['peak_flops'] / 1e9:.0f} GFLOP/s" if m.get("peak_flops") else ""
+            print(f"{model:>6} {arm:>5}: {m['tok_s']:8.1f} tok/s  MFU {mfu}{peak_s}  ({split})")
         if args.pair:
             print(f"{model:>6}: TR / dense tok/s = {payload['tr_over_dense_tok_s']:.3f}")
