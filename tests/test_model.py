@@ -221,19 +221,3 @@ def test_grouped_gemm_path_equals_the_per_expert_loop_on_cpu(monkeypatch):
     fast = module(x, ids, 0.5)
     monkeypatch.setattr(moe, "_grouped_mm_ok", lambda rows, weights: False)
     torch.testing.assert_close(fast, module(x, ids, 0.5))
-
-
-def test_rope_equals_the_rotate_half_formula_and_its_gradient_is_exact():
-    from trmoe.model.attention import apply_rope, rope_cache
-
-    torch.manual_seed(0)
-    cos, sin = rope_cache(16, 8, 10_000.0, torch.device("cpu"))
-    cos, sin = cos.double(), sin.double()
-    x = torch.randn(2, 3, 16, 8, dtype=torch.float64, requires_grad=True)
-    rotated = torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
-    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + rotated * sin)
-    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
-    # relative positions: <rope(q, m), rope(k, n)> depends on m - n only
-    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
-    at = lambda v, p: apply_rope(v.expand(1, 1, 16, 8), cos, sin)[0, 0, p]  # noqa: E731
-    assert torch.dot(at(q, 5), at(k, 2)).item() == pytest.approx(torch.dot(at(q, 9), at(k, 6)).item())

@@ -32,35 +32,10 @@ def rope_cache(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, d]: rotate each (i, i + d/2) pair by its position's angle:
-
-        y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin      (x1, x2: the two halves of the head dimension)
-
-    cos/sin are the [S, d] tables (each half repeats the same angles), taken in x's dtype."""
+    """x [B, heads, S, d]: rotate each (i, i + d/2) pair by its position's angle."""
     half = x.shape[-1] // 2
-    return _Rope.apply(x, cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype))
-
-
-class _Rope(torch.autograd.Function):
-    """The rotation on the two halves, and its transpose as the backward (the rotation is orthogonal: the
-    gradient is the inverse rotation, sin -> -sin). Autograd of the rotate-half form (negate, concatenate,
-    two full products, a sum) zero-fills and copies each slice in its backward: about twice the passes."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, sign=1.0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, sign=-1.0), None, None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    s1, s2 = (x2 * sin, x1 * sin) if sign > 0 else (-(x2 * sin), -(x1 * sin))
-    return torch.cat([x1 * cos - s1, x2 * cos + s2], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
 
 
 class Attention(nn.Module):
