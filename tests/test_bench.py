@@ -1,0 +1,48 @@
+"""The benchmarks run and record what docs/performance.md reads from them (tiny sizes: no timing is
+asserted, only that each result line is complete and its ratios are the ratios of its own timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trmoe.bench import dispatch, ffn, step
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setenv("TRMOE_RESULTS", str(path))
+    threads = torch.get_num_threads()
+    yield lambda: [json.loads(line) for line in path.read_text().splitlines()]
+    torch.set_num_threads(threads)
+
+
+def test_ffn_and_dispatch_record_a_line_per_layout(results):
+    ffn.run(tokens=64, reps=1)
+    dispatch.run(tokens=64, reps=1)
+    lines = results()
+    assert [(r["bench"], r["layout"]) for r in lines] == [
+        (b, layout) for b in ("ffn", "dispatch") for layout in ffn.LAYOUTS
+    ]
+    for r in lines:
+        assert r["machine"]["torch"] == torch.__version__ and r["dtype"] == "float32"
+    for r in lines[:3]:
+        t = r["timings"]
+        assert r["ratio_vs_dense_stored"] == t["tr"]["median_s"] / t["dense_stored"]["median_s"]
+        assert r["active_width"] == r["shared_width"] + r["top_k"] * r["routed_width"] // r["experts"]
+
+
+def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["x"])
+    step.main(
+        ["--model", "tiny", "--steps", "1", "--seq", "32", "--pair", "data=random", "model.vocab_size=512"]
+    )
+    (line,) = results()
+    tr, dense = line["tr"], line["dense"]
+    assert tr["params_total"] == dense["params_total"] and tr["params_active"] < dense["params_active"]
+    assert line["tr_over_dense_tok_s"] == pytest.approx(tr["tok_s"] / dense["tok_s"])
+    assert tr["tok_s"] == pytest.approx(32 / sum(tr["split_s"].values()))
+    assert 0 < tr["mfu"] == pytest.approx(tr["achieved_flops"] / line["peak_flops"])
