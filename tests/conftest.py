@@ -23,12 +23,28 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m trmoe.train ...` in a fresh process, from `cwd`."""
+# A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.
+TINY_RUN = [
+    "data=random",
+    "model.vocab_size=512",
+    "trainer.micro_batch=2",
+    "trainer.seq_len=32",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=2",
+    "trainer.eval_batches=1",
+    "run.progress=log",
+    "trainer.log_every=10",
+]
+
+
+def run_cli(
+    args: list[str], cwd: Path, timeout: int = 600, module: str = "trmoe.train"
+) -> subprocess.CompletedProcess:
+    """`python -m <module> ...` (the train app by default) in a fresh process, from `cwd`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
-        [sys.executable, "-m", "trmoe.train", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, run_cli
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from trmoe.config.resolve import model_spec, to_config
@@ -271,26 +268,18 @@ def test_parse_count_accepts_the_usual_spellings():
     assert parse_count("--tokens", "2.5T") == 2_500_000_000_000 and parse_count("--tokens", "1_000") == 1000
 
 
-def _plan_cli(args: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, "-m", "trmoe.plan", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_cli_prints_json_writes_nothing_and_bad_input_exits_2(tmp_path):
     # options may come between the overrides
-    done = _plan_cli(["model=1b", "--tokens", "20e9", "hardware=slurm_4node_8gpu", "--json"], tmp_path)
+    done = run_cli(
+        ["model=1b", "--tokens", "20e9", "hardware=slurm_4node_8gpu", "--json"],
+        tmp_path,
+        timeout=300,
+        module="trmoe.plan",
+    )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["model"]["params"]["total"] == 1_030_812_200 and plan["hardware"]["world"] == 32
     assert plan["run"]["steps"] == math.ceil(20e9 / plan["batch"]["tokens_per_step"])
-    bad = _plan_cli(["model=1b", "trainer.nope=1"], tmp_path)
+    bad = run_cli(["model=1b", "trainer.nope=1"], tmp_path, timeout=300, module="trmoe.plan")
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no run directory, no outputs/, no .hydra

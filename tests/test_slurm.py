@@ -12,23 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import finish, metrics_rows, wait_until
+from conftest import TINY_RUN, finish, metrics_rows, wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "tests" / "slurm" / "setup.sh"
 STEPS = 200
 TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "run.progress=log",
+    *TINY_RUN,
     f"trainer.steps={STEPS}",
-    "trainer.log_every=10",
     "checkpoint.every_steps=20",
     "hardware=slurm_local_test",
 ]

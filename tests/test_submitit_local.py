@@ -21,25 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import finish, metrics_rows, wait_until
+from conftest import TINY_RUN, finish, metrics_rows, wait_until
 
 from trmoe.train import distributed
 from trmoe.train.checkpoint import load_checkpoint
 
 STEPS = 150
 TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
+    *TINY_RUN,
     "hardware=cpu",
     "hardware.threads=1",  # the same thread count in every process: CPU results are then bit-identical
-    "run.progress=log",
     f"trainer.steps={STEPS}",
-    "trainer.log_every=10",
     "checkpoint.every_steps=0",  # no periodic checkpoints: only the stop signal saves mid-run
     "hydra/launcher=submitit_local",
     "hydra.launcher.tasks_per_node=2",
