@@ -1,10 +1,12 @@
 """torchrun with 2 CPU processes (gloo): DDP and FSDP2 equal the single-process run with the same global
-batch, and a distributed checkpoint holds the same weights."""
+batch, a distributed checkpoint holds the same weights, and an FSDP2 run resumed from its sharded
+checkpoint ends where the uninterrupted one does."""
 
 from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +55,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "single": (["trainer.micro_batch=4"], 1),
         "ddp": (["trainer.micro_batch=2"], 2),
         "ddp_accum": (["trainer.micro_batch=1", "trainer.grad_accum=2"], 2),
-        "fsdp": (["trainer.micro_batch=2", "hardware.strategy=fsdp"], 2),
+        "fsdp": (["trainer.micro_batch=2", "hardware.strategy=fsdp", "checkpoint.every_steps=2"], 2),
     }
     for name, (overrides, nproc) in cases.items():
         _run(root / name, overrides, nproc)
-    return {name: root / name for name in cases}
+    # the FSDP run interrupted after its step-2 checkpoint: the same command resumes from the shards
+    resumed = root / "fsdp_resumed"
+    shutil.copytree(root / "fsdp", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    _run(resumed, cases["fsdp"][0], 2)
+    return {name: root / name for name in [*cases, "fsdp_resumed"]}
 
 
 def test_ddp_and_fsdp_equal_the_single_process_run(runs):
@@ -65,6 +72,16 @@ def test_ddp_and_fsdp_equal_the_single_process_run(runs):
     assert len(reference) == 4
     for name in ("ddp", "ddp_accum", "fsdp"):
         assert _losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-5), name
+
+
+def test_fsdp_resumes_from_its_sharded_checkpoint(runs):
+    log = (runs["fsdp_resumed"] / "train.log").read_text()
+    assert "resume from step 2" in log, log[-2000:]
+    assert _losses(runs["fsdp_resumed"]) == pytest.approx(_losses(runs["fsdp"]), rel=1e-6, abs=1e-6)
+    resumed, whole = load_checkpoint(runs["fsdp_resumed"]), load_checkpoint(runs["fsdp"])
+    assert resumed["meta"]["step"] == whole["meta"]["step"] == 4
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
 def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
