@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~8 minutes on
+# The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~5 minutes on
 # one H200; each part has its own time limit, the most important first). Log and results: ${OUT:-bench/gpu_out}.
 #   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss;
 #   2. benchmarks in bf16: ffn and dispatch at 8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
