@@ -174,16 +174,17 @@ def test_grad_output_scaling():
     torch.testing.assert_close(dw3, 3.0 * dw1)
 
 
-def test_retain_graph_backward_twice():
+def test_backward_runs_once_and_a_second_one_says_why():
     hidden, weight, targets = make_case()
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     out = chunked_tied_ce(h, w, targets, chunk_tokens=8)
-    out.total.backward(retain_graph=True)
-    dh1, dw1 = h.grad.clone(), w.grad.clone()
-    out.total.backward()
-    torch.testing.assert_close(h.grad, 2 * dh1)
-    torch.testing.assert_close(w.grad, 2 * dw1)
+    (out.total * 0.5).backward(retain_graph=True)
+    _, dh, dw = grads_of(chunked_tied_ce, hidden, weight, targets, chunk_tokens=8)
+    torch.testing.assert_close(h.grad, 0.5 * dh)  # scaled in place by the incoming gradient
+    torch.testing.assert_close(w.grad, 0.5 * dw)
+    with pytest.raises(RuntimeError, match="backward ran twice.*retain_graph is not supported"):
+        out.total.backward()
 
 
 def test_moderate_size():
