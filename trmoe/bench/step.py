@@ -125,8 +125,9 @@ def measure(
     compile_model: bool = False,
     probe_n: int = 0,
 ) -> tuple[dict[str, dict], float | None]:
-    """Median step split of each arm, the arms stepped round-robin (TR, dense, TR, ...) so that the
-    machine's drift hits them alike; two warm-up steps each (and torch.compile's compilation).
+    """Median step split of each arm, the arms stepped in alternation (TR, dense, dense, TR, ...) so that
+    the machine's drift and any first-in-a-round effect hit them alike; two warm-up steps each (and
+    torch.compile's compilation).
     probe_n > 0: a probe_n^3 fp32 GEMM timed after every round: the peak, measured between the steps it
     is compared with (this machine's speed drifts by 10-20% over minutes). Returns (results, peak)."""
     if device.type == "cuda":  # max_memory_allocated: this call's arms only (all of them, when paired)
@@ -136,8 +137,9 @@ def measure(
     if probe_n:
         a, b = (torch.randn(probe_n, probe_n, device=device) for _ in range(2))
     probe_s = []
+    order = list(built.values())
     for index in range(steps + 2):
-        for arm in built.values():
+        for arm in order if index % 2 == 0 else order[::-1]:  # ABBA: neither arm always goes first
             arm.step(index, record=index >= 2)
         if probe_n:
             start = time.perf_counter()
