@@ -139,6 +139,32 @@ class PinnedSource:
         return inputs.pin_memory(), targets.pin_memory()
 
 
+def _pipeline(
+    t: TrainerConfig,
+    train: Source,
+    eval_set: list[Batch],
+    info: dict,
+    *,
+    fixed: Source,
+    eval_bytes: int | None,
+    train_stream: str,
+    eval_stream: str,
+    identity: list,
+) -> DataPipeline:
+    """What every builder returns: the training source, the held-out batches, the fixed batches of the
+    training split (`fixed`, for eval_train_loss), what each figure is computed on, and the data's identity
+    (checked when a data cursor is loaded)."""
+    return DataPipeline(
+        train,
+        eval_set,
+        info,
+        eval_train_set=eval_batches(fixed, t.micro_batch, t.eval_batches),
+        eval_bytes=eval_bytes,
+        streams=describe_streams(train_stream, eval_stream),
+        fingerprint=_digest(identity),
+    )
+
+
 def _require_o200k_vocab(cfg: Config, vocab_size: int) -> None:
     n_vocab = load_o200k().n_vocab
     if vocab_size < n_vocab:
@@ -182,18 +208,16 @@ def _build_random(cfg: Config, vocab_size: int) -> DataPipeline:
     train = RandomTokens(vocab_size, t.seq_len, seed=t.seed)
     held_out = RandomTokens(vocab_size, t.seq_len, seed=t.seed + 1_000_003)
     info = {"source": "random", "vocab_size": vocab_size, "train": "uniform ids", "eval": "uniform ids"}
-    streams = describe_streams(
-        "training samples 0.. of the random stream (the first steps' batches)",
-        "an independent random stream (seed + 1000003); bpb is NaN: random ids encode no text",
-    )
-    return DataPipeline(
+    return _pipeline(
+        t,
         train,
         eval_batches(held_out, t.micro_batch, t.eval_batches),
         info,
-        eval_train_set=eval_batches(train, t.micro_batch, t.eval_batches),
+        fixed=train,
         eval_bytes=None,
-        streams=streams,
-        fingerprint=_digest(["random", vocab_size, t.seq_len, t.seed]),
+        train_stream="training samples 0.. of the random stream (the first steps' batches)",
+        eval_stream="an independent random stream (seed + 1000003); bpb is NaN: random ids encode no text",
+        identity=["random", vocab_size, t.seq_len, t.seed],
     )
 
 
@@ -225,20 +249,19 @@ def _build_corpus(cfg: Config, vocab_size: int) -> DataPipeline:
         "eval_bytes_scored": eval_bytes,
         "eval_stream": "held-out documents (disjoint from training documents)",
     }
-    streams = describe_streams(
-        f"the first windows of the {corpus.name} training split in document order (not held out)",
-        f"the first windows of the {corpus.name} held-out documents (disjoint from training documents)",
-    )
-    # The content, not the location: a text file may move between the attempts of a run.
-    fingerprint = _digest([corpus.info["source"], corpus.info.get("documents_sha256"), corpus.info["split"]])
-    return DataPipeline(
+    return _pipeline(
+        t,
         train,
         eval_set,
         info,
-        eval_train_set=eval_batches(train_fixed, t.micro_batch, t.eval_batches),
+        fixed=train_fixed,
         eval_bytes=eval_bytes,
-        streams=streams,
-        fingerprint=fingerprint,
+        train_stream=f"the first windows of the {corpus.name} training split in document order "
+        "(not held out)",
+        eval_stream=f"the first windows of the {corpus.name} held-out documents "
+        "(disjoint from training documents)",
+        # the content, not the location: a text file may move between the attempts of a run
+        identity=[corpus.info["source"], corpus.info.get("documents_sha256"), corpus.info["split"]],
     )
 
 
@@ -381,21 +404,20 @@ def _build_tokens(cfg: Config, vocab_size: int) -> DataPipeline:
         "eval_tokens_scored": scored_tokens(eval_set),
         "eval_bytes_scored": eval_bytes,
     }
-    streams = describe_streams(
-        f"the first windows of {name} in file order (training data, not held out)",
-        f"the first windows of {eval_name} (held-out documents)",
-    )
-    fingerprint = _digest(
-        [split["train"]["sha256"], split["eval"] and split["eval"]["sha256"], split.get("split_token")]
-    )
-    return DataPipeline(
+    return _pipeline(
+        t,
         train,
         eval_set,
         info,
-        eval_train_set=eval_batches(train_fixed, t.micro_batch, t.eval_batches),
+        fixed=train_fixed,
         eval_bytes=eval_bytes,
-        streams=streams,
-        fingerprint=fingerprint,
+        train_stream=f"the first windows of {name} in file order (training data, not held out)",
+        eval_stream=f"the first windows of {eval_name} (held-out documents)",
+        identity=[
+            split["train"]["sha256"],
+            split["eval"] and split["eval"]["sha256"],
+            split.get("split_token"),
+        ],
     )
 
 
@@ -444,17 +466,16 @@ def _build_fineweb(cfg: Config, vocab_size: int) -> DataPipeline:
         "eval_tokens_scored": scored_tokens(eval_set),
         "eval_bytes_scored": eval_bytes,
     }
-    streams = describe_streams(
-        f"the first windows of the training documents of {where} (training samples 0.., not held out)",
-        f"the first windows of the held-out documents of {where} (content-hash rule, disjoint from training)",
-    )
-    fingerprint = _digest([source.fingerprint, d.eval_fraction, d.split_seed, d.text_field])
-    return DataPipeline(
+    return _pipeline(
+        t,
         train,
         eval_set,
         info,
-        eval_train_set=eval_batches(train_fixed, t.micro_batch, t.eval_batches),
+        fixed=train_fixed,
         eval_bytes=eval_bytes,
-        streams=streams,
-        fingerprint=fingerprint,
+        train_stream=f"the first windows of the training documents of {where} "
+        "(training samples 0.., not held out)",
+        eval_stream=f"the first windows of the held-out documents of {where} "
+        "(content-hash rule, disjoint from training)",
+        identity=[source.fingerprint, d.eval_fraction, d.split_seed, d.text_field],
     )
