@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
@@ -21,6 +22,27 @@ def compose_config(*overrides: str) -> DictConfig:
     """Real Hydra composition of the packaged config tree, as the app does it."""
     with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
         return compose("config", overrides=list(overrides))
+
+
+# In-process train() runs of a few milliseconds a step: 256 ids, 16-token windows, one thread.
+FAST_CPU = [
+    "trainer.seq_len=16",
+    "trainer.eval_batches=1",
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.progress=log",
+    "data=random",
+    "model.vocab_size=256",
+]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread during the test (as hardware.threads=1 sets it), the previous count afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.

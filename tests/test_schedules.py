@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import DiversityTarget
@@ -20,22 +20,12 @@ from trmoe.train.loop import train
 from trmoe.train.schedule import build_schedules, check_extension
 
 FAST = [
+    *FAST_CPU,
     "trainer.micro_batch=2",
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "data=random",
-    "model.vocab_size=256",
 ]
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def schedules(*overrides: str):

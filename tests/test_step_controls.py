@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import UserError
@@ -21,23 +21,12 @@ from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 
 FAST = [
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "data=random",
-    "model.vocab_size=256",
+    *FAST_CPU,
     "optimizer.warmup_steps=1",
 ]
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rows(run_dir) -> list[dict]:

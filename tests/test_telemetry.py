@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Progress
@@ -19,24 +19,13 @@ from trmoe.train.progress import ProgressReporter
 from trmoe.train.telemetry import MoETelemetry
 
 FAST = [
+    *FAST_CPU,
     "trainer.micro_batch=2",
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "data=random",
-    "model.vocab_size=256",
 ]
 EXPERT_COLUMNS = ("expert_imbalance", "expert_dead", "shared_rms", "routed_rms", "grad_norm_shared")
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read(path) -> list[dict]:
