@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from trmoe.bench.common import layer_args, record, time_interleaved
-from trmoe.bench.ffn import LAYOUTS, tr_ffn
+from trmoe.bench.ffn import layer_cases
 from trmoe.model.moe import grouped_mm, swiglu
 
 
@@ -35,13 +35,8 @@ def run(
     tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu", dtype: str = "float32"
 ) -> list[dict]:
     dev, dt = torch.device(device), getattr(torch, dtype)
-    vocab = 200_019
-    torch.manual_seed(0)
     results = []
-    for name, (hidden, shared, routed) in LAYOUTS.items():
-        ffn = tr_ffn(hidden, shared, routed, experts, top_k, vocab).to(dev, dt)
-        x = torch.randn(tokens, hidden, device=dev, dtype=dt, requires_grad=True)
-        ids = torch.randint(0, vocab, (tokens,), device=dev)
+    for name, (hidden, _, _), ffn, x, ids in layer_cases(tokens, experts, top_k, device, dtype):
         # The rows each expert receives, already contiguous: what an ideal (free) dispatch would hand over.
         routes = ffn.routed.route_table[:, ids].long().reshape(-1)
         ends = torch.bincount(routes, minlength=experts).cumsum(0)

@@ -70,20 +70,29 @@ def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, *args: torch.Tensor) -> N
     module(x, *args).sum().backward()
 
 
+VOCAB = 200_019
+
+
+def layer_cases(tokens: int, experts: int, top_k: int, device: str, dtype: str):
+    """For each layout: (name, (hidden, shared, routed), a TR FFN of those widths, inputs x [tokens, hidden]
+    that take gradients, token ids), on `device` in `dtype`; seeded, so every benchmark sees the same."""
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    torch.manual_seed(0)
+    for name, widths in LAYOUTS.items():
+        tr = tr_ffn(*widths, experts, top_k, VOCAB).to(dev, dt)
+        x = torch.randn(tokens, widths[0], device=dev, dtype=dt, requires_grad=True)
+        yield name, widths, tr, x, torch.randint(0, VOCAB, (tokens,), device=dev)
+
+
 def run(
     tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu", dtype: str = "float32"
 ) -> list[dict]:
     dev, dt = torch.device(device), getattr(torch, dtype)
-    vocab = 200_019
-    torch.manual_seed(0)
     results = []
-    for name, (hidden, shared, routed) in LAYOUTS.items():
+    for name, (hidden, shared, routed), tr, x, ids in layer_cases(tokens, experts, top_k, device, dtype):
         active = shared + top_k * routed // experts
-        tr = tr_ffn(hidden, shared, routed, experts, top_k, vocab).to(dev, dt)
         dense_stored = _dense(hidden, shared + routed).to(dev, dt)
         dense_active = _dense(hidden, active).to(dev, dt)
-        x = torch.randn(tokens, hidden, device=dev, dtype=dt, requires_grad=True)
-        ids = torch.randint(0, vocab, (tokens,), device=dev)
 
         cases = {
             "tr": functools.partial(_fwd_bwd, tr, x, ids),
