@@ -239,6 +239,7 @@ class HardwareConfig:
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
+    reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
 
 
 @dataclass
