@@ -44,5 +44,9 @@ def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):
     tr, dense = line["tr"], line["dense"]
     assert tr["params_total"] == dense["params_total"] and tr["params_active"] < dense["params_active"]
     assert line["tr_over_dense_tok_s"] == pytest.approx(tr["tok_s"] / dense["tok_s"])
+    # one measured round (--steps 1): its paired ratio is the same as the medians'
+    assert len(tr["step_s_each"]) == len(dense["step_s_each"]) == 1
+    assert line["tr_over_dense_rounds"] == [pytest.approx(dense["step_s_each"][0] / tr["step_s_each"][0])]
+    assert line["tr_over_dense_rounds"][0] == pytest.approx(line["tr_over_dense_tok_s"])
     assert tr["tok_s"] == pytest.approx(32 / sum(tr["split_s"].values()))
     assert 0 < tr["mfu"] == pytest.approx(tr["achieved_flops"] / line["peak_flops"])

@@ -17,18 +17,25 @@ from trmoe.bench.ffn import layer_cases
 from trmoe.model.moe import grouped_mm, swiglu
 
 
-def _real(ffn, x: torch.Tensor, ids: torch.Tensor) -> None:
+def _real(ffn, x: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> None:
     ffn.zero_grad(set_to_none=True)
-    ffn(x, ids).sum().backward()
+    ffn(x, ids).backward(grad)
 
 
-def _pregrouped(ffn, x: torch.Tensor, grouped: torch.Tensor, ends: torch.Tensor) -> None:
+def _pregrouped(
+    ffn,
+    x: torch.Tensor,
+    grouped: torch.Tensor,
+    ends: torch.Tensor,
+    grad: torch.Tensor,
+    grad_rows: torch.Tensor,
+) -> None:
     ffn.zero_grad(set_to_none=True)
     gate, up = grouped_mm(grouped, ffn.routed.w_in, ends).chunk(2, dim=-1)
     routed = grouped_mm(F.silu(gate) * up, ffn.routed.w_out, ends)
     shared = swiglu(x, ffn.shared.w_in, ffn.shared.w_out)
-    # dense upstream gradients (as the real FFN's scatter hands back; grouped_mm rejects expanded ones)
-    torch.autograd.backward([shared, routed], [torch.ones_like(shared), torch.ones_like(routed)])
+    # dense upstream gradients, as inside a network (and as the real FFN's scatter hands its rows)
+    torch.autograd.backward([shared, routed], [grad, grad_rows])
 
 
 def run(
@@ -42,9 +49,11 @@ def run(
         ends = torch.bincount(routes, minlength=experts).cumsum(0)
         grouped = torch.randn(routes.numel(), hidden, device=dev, dtype=dt, requires_grad=True)
 
+        grad = torch.randn_like(x).detach()
+        grad_rows = torch.randn_like(grouped).detach()
         cases = {
-            "dispatch": functools.partial(_real, ffn, x, ids),
-            "pregrouped": functools.partial(_pregrouped, ffn, x, grouped, ends),
+            "dispatch": functools.partial(_real, ffn, x, ids, grad),
+            "pregrouped": functools.partial(_pregrouped, ffn, x, grouped, ends, grad, grad_rows),
         }
         timings = time_interleaved(cases, dev, reps=reps)
         total, ideal = timings["dispatch"]["median_s"], timings["pregrouped"]["median_s"]

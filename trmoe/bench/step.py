@@ -98,6 +98,7 @@ class Arm:
         tokens = t.micro_batch * t.seq_len
         seconds = {k: statistics.median(v) for k, v in self.split.items()}
         step_s = sum(seconds.values())
+        each = [sum(parts) for parts in zip(*self.split.values(), strict=True)]  # every measured step
         fpt = flops_per_token(self.spec, self.params, t.seq_len)
         out = {
             "overrides": self.overrides,
@@ -109,6 +110,7 @@ class Arm:
             "tokens_per_step": tokens,
             "split_s": seconds,
             "step_s": step_s,
+            "step_s_each": each,
             "tok_s": tokens / step_s,
             "flops_per_token": fpt,
             "achieved_flops": fpt * tokens / step_s,
@@ -200,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
             payload[arm] = m
         if args.pair:
             payload["tr_over_dense_tok_s"] = measured["tr"]["tok_s"] / measured["dense"]["tok_s"]
+            # the same ratio round by round (each round steps both arms back to back): its spread is the noise
+            tr_each, dense_each = measured["tr"]["step_s_each"], measured["dense"]["step_s_each"]
+            rounds = [d / t for t, d in zip(tr_each, dense_each, strict=True)]
+            payload["tr_over_dense_rounds"] = sorted(rounds)
         record("step", payload)
         for arm, m in measured.items():
             split = " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in m["split_s"].items())
@@ -207,4 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             peak_s = f" of {model_peak / 1e9:.0f} GFLOP/s" if model_peak else ""
             print(f"{model:>6} {arm:>5}: {m['tok_s']:8.1f} tok/s  MFU {mfu}{peak_s}  ({split})")
         if args.pair:
-            print(f"{model:>6}: TR / dense tok/s = {payload['tr_over_dense_tok_s']:.3f}")
+            rounds = payload["tr_over_dense_rounds"]
+            print(
+                f"{model:>6}: TR / dense tok/s = {payload['tr_over_dense_tok_s']:.3f} "
+                f"(by round: median {statistics.median(rounds):.3f}, {rounds[0]:.3f} to {rounds[-1]:.3f})"
+            )
