@@ -221,3 +221,30 @@ def test_grouped_gemm_path_equals_the_per_expert_loop_on_cpu(monkeypatch):
     fast = module(x, ids, 0.5)
     monkeypatch.setattr(moe, "_grouped_mm_ok", lambda rows, weights: False)
     torch.testing.assert_close(fast, module(x, ids, 0.5))
+
+
+def test_sparse_embedding_gradient_sums_into_the_tied_heads_dense_gradient():
+    """model.sparse_embedding_grad (the train loop's setting on CPU): the tied weight ends the backward with a
+    dense gradient equal to the dense path's, and that gradient holds the embedding's rows, not the head's
+    alone."""
+    from trmoe.train.loss import chunked_tied_ce
+
+    spec = model_spec(to_config(compose_config("model=tiny", "model.vocab_size=512")))
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, 512, (2, 16), generator=g) for _ in range(2))
+    grads = {}
+    for mode in ("dense", "sparse", "head_only"):
+        torch.manual_seed(0)
+        model = TRMoETransformer(spec)
+        model.sparse_embedding_grad = mode == "sparse"
+        hidden = model(x)
+        sums = chunked_tied_ce(hidden.detach() if mode == "head_only" else hidden, model.head_weight, y)
+        sums.total.backward()
+        grads[mode] = model.embed.weight.grad
+    assert grads["sparse"].layout == torch.strided and not grads["sparse"].is_sparse
+    torch.testing.assert_close(grads["sparse"], grads["dense"])
+    rows = x.unique()
+    assert (grads["sparse"][rows] - grads["head_only"][rows]).abs().amax() > 1e-4
+    others = torch.ones(512, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(grads["sparse"][others], grads["head_only"][others])

@@ -42,10 +42,10 @@ class Arm:
         from trmoe.data.pipeline import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
         from trmoe.train import env
-        from trmoe.train.loss_backend import resolve_backend, training_loss
+        from trmoe.train.controls import TrainingControls
         from trmoe.train.optim import build_optimizer
 
-        cfg, self.spec = _components(overrides)
+        cfg, self.spec = _components([*overrides, *(["trainer.compile=true"] if compile_model else [])])
         self.overrides, self.device, self.compile, self.t, self.env = (
             overrides,
             device,
@@ -56,10 +56,11 @@ class Arm:
         env.configure(cfg.hardware, device)  # threads; TF32 on CUDA, as the train loop sets them
         torch.manual_seed(0)
         self.amp = env.autocast_dtype(cfg.hardware, device)
-        self.backend = resolve_backend(cfg.loss, device)
-        self.loss_fn = training_loss(cfg.loss, self.backend, self.amp)
         self.model = TRMoETransformer(self.spec).to(device)
-        self.forward = torch.compile(self.model) if compile_model else self.model
+        # as the train loop sets the model up: loss backend, torch.compile, sparse embedding gradient on CPU
+        controls = TrainingControls(cfg, self.model, device)
+        self.backend, self.loss_fn = controls.loss_backend, controls.loss_fn
+        self.forward = controls.train_model
         self.params = count_parameters(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
         self.data = build_data(cfg, self.spec.vocab_size)

@@ -64,6 +64,7 @@ class TrainingControls:
         self.cfg, self.model = cfg, model
         self.schedules = build_schedules(cfg)
         model.activation_checkpointing = t.activation_checkpointing
+        model.sparse_embedding_grad = device.type == "cpu"  # summed into the tied head's dense gradient
         for block in model.blocks:
             ffn = block.ffn
             if ffn.shared is not None:
