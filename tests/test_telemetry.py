@@ -139,6 +139,10 @@ def test_branch_rms_is_the_scaled_gated_contribution():
     expected = raw.pow(2).mean().sqrt() * 0.5
     _, rows = tel.collect(step=1, grad_sq=None)
     assert rows[0]["routed_rms"] == pytest.approx(float(expected), rel=1e-5)
+    # the FFN keeps the routed sum apart only while telemetry watches it
+    assert not any(block.ffn.fold_routed for block in model.blocks)
+    tel.remove()
+    assert all(block.ffn.fold_routed for block in model.blocks)
 
 
 def test_progress_line_shows_imbalance_and_dead(caplog):

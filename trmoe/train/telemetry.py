@@ -69,6 +69,7 @@ class MoETelemetry:
             if ffn.shared is not None:
                 self._handles.append(ffn.shared.register_forward_hook(partial(self._shared_hook, layer)))
             if ffn.routed is not None:
+                ffn.fold_routed = False  # the hook needs the routed branch's own output
                 self._handles.append(ffn.routed.register_forward_hook(partial(self._routed_hook, layer)))
 
     @contextlib.contextmanager
@@ -83,6 +84,8 @@ class MoETelemetry:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for ffn in self.ffns:
+            ffn.fold_routed = True
 
     @staticmethod
     def _branch_factor(scale: float, gate: torch.Tensor | None):
