@@ -32,6 +32,9 @@ def test_ffn_and_dispatch_record_a_line_per_layout(results):
     for r in lines[:3]:
         t = r["timings"]
         assert r["ratio_vs_dense_stored"] == t["tr"]["median_s"] / t["dense_stored"]["median_s"]
+        # one round (reps=1): the paired ratio is that round's, the same as the medians'
+        assert r["paired_ratio_vs_dense_active"] == pytest.approx(r["ratio_vs_dense_active"])
+        assert t["tr"]["samples_s"] == [t["tr"]["median_s"]]
         assert r["active_width"] == r["shared_width"] + r["top_k"] * r["routed_width"] // r["experts"]
 
 

@@ -60,9 +60,16 @@ def time_interleaved(
             sync(device)
             samples[name].append(time.perf_counter() - start)
     return {
-        name: {"median_s": statistics.median(s), "min_s": min(s), "reps": len(s)}
+        name: {"median_s": statistics.median(s), "min_s": min(s), "reps": len(s), "samples_s": s}
         for name, s in samples.items()
     }
+
+
+def paired_ratio(timings: dict[str, dict], case: str, baseline: str) -> float:
+    """Median over rounds of case / baseline, each pair timed back to back in one round of
+    `time_interleaved`: drift between rounds cancels, which the ratio of the two medians does not do."""
+    pairs = zip(timings[case]["samples_s"], timings[baseline]["samples_s"], strict=True)
+    return statistics.median(a / b for a, b in pairs)
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
@@ -89,7 +96,7 @@ def layer_args(name: str, doc: str | None, argv: list[str] | None) -> argparse.N
     parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
     parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")

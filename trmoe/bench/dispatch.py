@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from trmoe.bench.common import layer_args, record, time_interleaved
+from trmoe.bench.common import layer_args, paired_ratio, record, time_interleaved
 from trmoe.bench.ffn import layer_cases
 from trmoe.model.moe import grouped_mm, swiglu
 
@@ -69,6 +69,7 @@ def run(
                     "top_k": top_k,
                     "timings": timings,
                     "overhead_share": (total - ideal) / total,
+                    "paired_overhead_share": 1.0 - paired_ratio(timings, "pregrouped", "dispatch"),
                 },
             )
         )
@@ -78,4 +79,7 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     args = layer_args("dispatch", __doc__, argv)
     for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype):
-        print(f"{r['layout']:>14}: dispatch overhead {r['overhead_share']:.1%} of FFN time")
+        print(
+            f"{r['layout']:>14}: dispatch overhead {r['overhead_share']:.1%} of FFN time "
+            f"(by round {r['paired_overhead_share']:.1%})"
+        )
