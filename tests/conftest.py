@@ -102,3 +102,17 @@ def wait_until(
 @pytest.fixture
 def compose_cfg():
     return compose_config
+
+
+def spawn_ranks(worker: Callable, args: tuple, nprocs: int = 2, timeout_s: float = 240.0) -> None:
+    """torch.multiprocessing.spawn with a deadline: a hung collective fails the test (and kills its ranks)
+    instead of hanging the whole suite."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2.0):
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                proc.kill()
+            pytest.fail(f"{worker.__name__}: {nprocs} ranks did not finish within {timeout_s:.0f} s")

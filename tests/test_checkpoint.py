@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import compose_config
+from conftest import compose_config, spawn_ranks
 
 from trmoe.train.checkpoint import (
     CheckpointError,
@@ -158,7 +157,7 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
 def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
     """Every rank calls save/load; each writes its own files, rank 0 the metadata, the rename, `latest`
     and the pruning; each rank gets its own train state back."""
-    mp.spawn(_dcp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dcp_worker, (2, str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["local"] for r in results] == [{"rank": 0}, {"rank": 1}]
     meta = results[0]["meta"]

@@ -10,8 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import compose_config
+from conftest import compose_config, spawn_ranks
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.transformer import TRMoETransformer
@@ -247,7 +246,7 @@ def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
     """Every optimizer under DDP (2 gloo ranks, half the batch each) == one process with the whole batch;
     and the telemetry's grad norms and token counters are those of the whole batch."""
     data, steps = batches(2, rows=4), 2
-    mp.spawn(_ddp_worker, args=(2, data, steps, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, data, steps, str(tmp_path)))
     for name in OPTIMIZERS:
         ref_state, ref_grad_sq = _reference(name, data, steps)
         ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
