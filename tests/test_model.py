@@ -259,3 +259,18 @@ def test_sparse_embedding_gradient_sums_into_the_tied_heads_dense_gradient():
     others = torch.ones(512, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(grads["sparse"][others], grads["head_only"][others])
+
+
+def test_silu_mul_matches_autograd_of_the_plain_formula():
+    """The SwiGLU activation's own backward (one [rows, 2W] gradient, no concatenation) is autograd's."""
+    from trmoe.model.moe import silu_mul
+
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(6, 10, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(silu_mul, (gu,))
+    gu32 = gu.detach().float().requires_grad_()
+    plain = torch.nn.functional.silu(gu32[:, :5]) * gu32[:, 5:]
+    upstream = torch.randn(6, 5, generator=g)
+    ours = silu_mul(gu32)
+    assert torch.equal(ours, plain)
+    assert torch.equal(*(torch.autograd.grad(out, gu32, upstream)[0] for out in (ours, plain)))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from trmoe.bench.common import layer_args, paired_ratio, record, time_interleaved
 from trmoe.bench.ffn import layer_cases
-from trmoe.model.moe import grouped_mm, swiglu
+from trmoe.model.moe import grouped_mm, silu_mul, swiglu
 
 
 def _real(ffn, x: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -31,8 +30,7 @@ def _pregrouped(
     grad_rows: torch.Tensor,
 ) -> None:
     ffn.zero_grad(set_to_none=True)
-    gate, up = grouped_mm(grouped, ffn.routed.w_in, ends).chunk(2, dim=-1)
-    routed = grouped_mm(F.silu(gate) * up, ffn.routed.w_out, ends)
+    routed = grouped_mm(silu_mul(grouped_mm(grouped, ffn.routed.w_in, ends)), ffn.routed.w_out, ends)
     shared = swiglu(x, ffn.shared.w_in, ffn.shared.w_out)
     # dense upstream gradients, as inside a network (and as the real FFN's scatter hands its rows)
     torch.autograd.backward([shared, routed], [grad, grad_rows])

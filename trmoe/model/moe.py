@@ -25,10 +25,37 @@ from torch.utils.checkpoint import checkpoint
 from trmoe.model.routing import build_route_table
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(g) * u from the fused projection gu = [g | u] [rows, 2W]. Autograd of `chunk` would give the two
+    halves' gradients their own tensors and then concatenate them (a copy of the whole [rows, 2W]); this
+    backward writes both straight into one."""
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        ctx.save_for_backward(gu, silu)
+        return silu * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gu, silu = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        grad_gu = torch.empty_like(gu)
+        grad_gate, grad_up = grad_gu.chunk(2, dim=-1)
+        torch.mul(grad, silu, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_gu
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation silu(g) * u of gu = [g | u] (last dimension 2W) -> [.., W]."""
+    return _SiluMul.apply(gu)
+
+
 def swiglu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
     """SwiGLU with the gate and up projections fused in w_in [H, 2W]; w_out [W, H]."""
-    gate, up = (x @ w_in).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w_out
+    return silu_mul(x @ w_in) @ w_out
 
 
 # public since torch 2.10; the private op (CUDA, Hopper) before that
@@ -166,8 +193,7 @@ class RoutedExperts(nn.Module):
         # each row's route weight, times the branch factor afterwards: indexing a learnable 0-dim gate
         # directly would make its gradient a K*N-way scatter into one element (slow on GPUs)
         row_scale = self.route_w[order // n].unsqueeze(1).to(x.dtype) * scale  # [K*N, 1]
-        gate, up = grouped_mm(xs, self.w_in, ends).chunk(2, dim=-1)
-        out = grouped_mm(F.silu(gate) * up * row_scale, self.w_out, ends)
+        out = grouped_mm(silu_mul(grouped_mm(xs, self.w_in, ends)) * row_scale, self.w_out, ends)
         combined = out.new_zeros(n, out.shape[1]) if into is None else into
         return combined.index_add_(0, token_of, out.to(combined.dtype))
 
