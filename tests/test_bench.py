@@ -15,9 +15,13 @@ from trmoe.bench import dispatch, ffn, step
 def results(tmp_path, monkeypatch):
     path = tmp_path / "results.jsonl"
     monkeypatch.setenv("TRMOE_RESULTS", str(path))
-    threads = torch.get_num_threads()
+    # the benchmarks set the process up as a training run does (threads, deterministic mode): put it back
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     yield lambda: [json.loads(line) for line in path.read_text().splitlines()]
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_ffn_and_dispatch_record_a_line_per_layout(results):

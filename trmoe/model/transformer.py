@@ -129,7 +129,7 @@ class TRMoETransformer(nn.Module):
         """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss)."""
         seq = token_ids.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        sparse = self.sparse_embedding_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        sparse = self.sparse_embedding_grad and not torch.compiler.is_compiling()  # compiled graphs: dense
         h = F.embedding(token_ids, self.embed.weight, sparse=sparse)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
