@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import compose_config, spawn_ranks
 
+from trmoe.train import distributed
 from trmoe.train.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -151,7 +152,7 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
         _assert_same(model, fresh, optimizer, fresh_opt)
         torch.save({"local": local, "meta": info.meta}, f"{out}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        distributed.shutdown()
 
 
 def test_dcp_two_gloo_ranks_save_and_load(tmp_path):

@@ -14,6 +14,7 @@ from conftest import compose_config, spawn_ranks
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.transformer import TRMoETransformer
+from trmoe.train import distributed
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.muon import Muon, muon_direction, orthogonalize
 from trmoe.train.optim import GroupLRs, OptimizerSet, build_optimizer
@@ -212,6 +213,26 @@ def _reference(name: str, data, steps: int):
     return {k: v.clone() for k, v in model.state_dict().items()}, grad_sq
 
 
+def _ddp_run(rank: int, world: int, name: str, data, steps: int, out: str) -> None:
+    cfg, model = tiny(f"optimizer={name}", "telemetry.moe=true")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = build_optimizer(model, cfg.optimizer, CPU, seed=5)
+    tel = MoETelemetry(model, CPU)
+    rows = data[0][0].shape[0] // world
+    for x, y in data[:steps]:
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        with tel.recording():
+            hidden = ddp(x)
+        sums = chunked_tied_ce(hidden, model.head_weight, y)
+        (sums.total / sums.tokens).backward()  # DDP averages: equal token counts -> the global mean
+        grad_sq = tel.grad_norms()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _, layer_rows = tel.collect(steps, grad_sq)  # all-reduces the counters
+    result = {"state": model.state_dict(), "grad_sq": grad_sq, "rows": layer_rows}
+    torch.save(result, f"{out}/{name}_rank{rank}.pt")
+
+
 def _ddp_worker(rank: int, world: int, data, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     # a file rendezvous: no TCP port to collide with other jobs on the machine
@@ -221,25 +242,9 @@ def _ddp_worker(rank: int, world: int, data, steps: int, out: str) -> None:
     )
     try:
         for name in OPTIMIZERS:
-            cfg, model = tiny(f"optimizer={name}", "telemetry.moe=true")
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = build_optimizer(model, cfg.optimizer, CPU, seed=5)
-            tel = MoETelemetry(model, CPU)
-            rows = data[0][0].shape[0] // world
-            for x, y in data[:steps]:
-                x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-                with tel.recording():
-                    hidden = ddp(x)
-                sums = chunked_tied_ce(hidden, model.head_weight, y)
-                (sums.total / sums.tokens).backward()  # DDP averages: equal token counts -> the global mean
-                grad_sq = tel.grad_norms()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            _, layer_rows = tel.collect(steps, grad_sq)  # all-reduces the counters
-            result = {"state": model.state_dict(), "grad_sq": grad_sq, "rows": layer_rows}
-            torch.save(result, f"{out}/{name}_rank{rank}.pt")
+            _ddp_run(rank, world, name, data, steps, out)  # its DDP wrapper is gone when it returns
     finally:
-        dist.destroy_process_group()
+        distributed.shutdown()  # as the train app ends a job (see its docstring: a gloo teardown race)
 
 
 def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
