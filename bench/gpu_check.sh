@@ -2,7 +2,8 @@
 # The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~5 minutes on
 # one H200; each part has its own time limit, the most important first). Log and results: ${OUT:-bench/gpu_out}.
 #   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss;
-#   2. benchmarks in bf16: ffn and dispatch at 8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
+#   2. benchmarks in bf16: ffn (rows grouped by route tuple, the default, and by expert) and dispatch at
+#      8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
 #      and training steps of 100m and 300m (eager; 300m with liger and with torch.compile) with MFU against the
 #      datasheet bf16 peak (and the bf16 GEMM peak measured in the same run);
 #   3. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back.
@@ -21,6 +22,7 @@ step() { echo; echo "== $* ($(date +%T))"; }
   timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_loss_backends.py tests/test_model.py
   step ffn
   timeout 60 $PY -m trmoe.bench ffn
+  timeout 60 $PY -m trmoe.bench ffn --strategy random
   step "train steps, eager (loss=chunked, then loss=liger)"
   timeout 120 $PY -m trmoe.bench step --model 100m 300m --steps 5
   timeout 90 $PY -m trmoe.bench step --model 300m --steps 5 loss=liger

@@ -13,14 +13,21 @@ from trmoe.bench.ffn import tr_ffn
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 
-def _ffn():
+# multi_hash tables group the routed rows by expert, modulo_cyclic ones by route tuple (trmoe/model/moe.py)
+GROUPINGS = pytest.mark.parametrize("strategy", ["multi_hash", "modulo_cyclic"])
+
+
+def _ffn(strategy: str):
     torch.manual_seed(0)
-    return tr_ffn(128, 256, 256, 4, 2, 5000, strategy="multi_hash", std=0.05).cuda()
+    ffn = tr_ffn(128, 256, 256, 4, 2, 5000, strategy=strategy, std=0.05).cuda()
+    assert (ffn.routed.route_tuples is not None) == (strategy == "modulo_cyclic")
+    return ffn
 
 
+@GROUPINGS
 @pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
-def test_ffn_forward_does_not_sync_with_the_host(mode):
-    ffn = _ffn()
+def test_ffn_forward_does_not_sync_with_the_host(mode, strategy):
+    ffn = _ffn(strategy)
     x = torch.randn(2, 512, 128, device="cuda")
     ids = torch.randint(0, 5000, (2, 512), device="cuda")
     if mode == "bf16_weights":  # FSDP mixed precision: the parameters themselves are bf16
@@ -35,8 +42,9 @@ def test_ffn_forward_does_not_sync_with_the_host(mode):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_grouped_gemm_path_equals_the_per_expert_loop(monkeypatch):
-    ffn = _ffn().to(torch.bfloat16)
+@GROUPINGS
+def test_grouped_gemm_path_equals_the_per_expert_loop(monkeypatch, strategy):
+    ffn = _ffn(strategy).to(torch.bfloat16)
     x = torch.randn(1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ids = torch.randint(0, 5000, (1024,), device="cuda")
     assert moe._grouped_mm_ok(x, ffn.routed.w_in), "H200-class GPUs take the grouped GEMM in bf16"

@@ -87,26 +87,60 @@ def test_dispatch_equals_naive_per_token_reference(strategy, experts, top_k, p):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_dispatch_does_k_rows_of_work_per_token(monkeypatch):
-    """Count the rows each expert multiplies: K x tokens in total, never E x tokens, and each group holds
-    exactly the rows its expert owns."""
+@pytest.mark.parametrize(("strategy", "by_tuple"), [("modulo_cyclic", True), ("random", False)])
+def test_dispatch_does_k_rows_of_work_per_token(monkeypatch, strategy, by_tuple):
+    """Count the expert rows each grouped GEMM multiplies: K x tokens in total, never E x tokens, and each
+    group holds exactly the rows it owns. By route tuple (modulo_cyclic: E tuples): N rows, each times K
+    experts' weights side by side; by expert (random: 12 tuples > E): K x N rows, each times one expert."""
     import trmoe.model.moe as moe
 
     calls = []
     real = moe.grouped_mm
 
     def counting(rows, weights, ends):
-        calls.append((rows.shape[0], torch.diff(ends, prepend=ends.new_zeros(1)).tolist()))
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        calls.append((rows.shape[0], sizes, weights.shape))
         return real(rows, weights, ends)
 
     monkeypatch.setattr(moe, "grouped_mm", counting)
+    n, hidden, width, k = 500, 8, 32 // 4, 2
     module = RoutedExperts(
-        8, 32, 4, 2, 0.5, vocab_size=1000, layer=0, strategy="modulo_cyclic", seed=0, hash_count=2
+        hidden, 32, 4, k, 0.5, vocab_size=1000, layer=0, strategy=strategy, seed=0, hash_count=2
     )
-    ids = torch.randint(0, 1000, (500,))
-    module(torch.randn(500, 8), ids)
-    owned = torch.bincount(module.route_table[:, ids].reshape(-1).long(), minlength=4).tolist()
-    assert calls == [(2 * 500, owned), (2 * 500, owned)]  # up/gate and down projections: K x N rows each
+    assert (module.route_tuples is not None) == by_tuple
+    ids = torch.randint(0, 1000, (n,))
+    module(torch.randn(n, hidden), ids)
+    (rows_in, sizes_in, w_in), (rows_out, sizes_out, w_out) = calls
+    assert sizes_in == sizes_out and sum(sizes_in) == rows_in == rows_out
+    experts_per_row = w_in[2] // (2 * width)  # the in-projection's columns: [gate | up] of each expert
+    assert w_out[1] == experts_per_row * width
+    assert rows_in * experts_per_row == k * n  # K x tokens expert rows
+    if by_tuple:
+        assert (rows_in, experts_per_row) == (n, k)
+        assert sizes_in == torch.bincount(module.tuple_of[ids].long(), minlength=4).tolist()
+    else:
+        assert (rows_in, experts_per_row) == (k * n, 1)
+        assert sizes_in == torch.bincount(module.route_table[:, ids].reshape(-1).long(), minlength=4).tolist()
+
+
+def test_route_tuples_follow_a_loaded_route_table():
+    """The tuple grouping is derived from the route table: loading another table re-derives it (a stale one
+    would route tokens through the wrong experts)."""
+    torch.manual_seed(0)
+    args = dict(vocab_size=97, layer=0, seed=0, hash_count=2)
+    a = RoutedExperts(8, 16, 4, 2, 0.5, strategy="modulo_cyclic", **args)
+    b = RoutedExperts(8, 16, 4, 2, 0.5, strategy="modulo_cyclic", **{**args, "layer": 1})
+    c = RoutedExperts(8, 16, 4, 2, 0.5, strategy="random", **args)  # 12 tuples: by expert
+    for p in [*b.parameters(), *c.parameters()]:
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    assert not torch.equal(a.route_table, b.route_table) and a.route_tuples is not None
+    a.load_state_dict(b.state_dict())
+    x, ids = torch.randn(40, 8), torch.arange(40)
+    torch.testing.assert_close(a.tuple_of, b.tuple_of)
+    torch.testing.assert_close(a(x, ids), b(x, ids))
+    a.load_state_dict(c.state_dict())
+    assert a.route_tuples is None
+    torch.testing.assert_close(a(x, ids), c(x, ids))
 
 
 def test_dense_control_equals_one_swiglu_of_combined_width():

@@ -90,8 +90,9 @@ def test_dead_experts_are_counted_per_layer():
     """An expert unused in layer 0 but used in layer 1 is dead (in layer 0); the reference summed the
     counts over layers first and reported it alive."""
     model = tiny_model()
-    table = model.blocks[0].ffn.routed.route_table
-    table.copy_(torch.where(table == 3, torch.zeros_like(table), table))  # layer 0 never routes to 3
+    routed = model.blocks[0].ffn.routed
+    table = routed.route_table
+    routed.set_route_table(torch.where(table == 3, torch.zeros_like(table), table))  # layer 0 never uses 3
     tel = MoETelemetry(model, torch.device("cpu"))
     ids = torch.arange(64).reshape(2, 32)
     model(ids)  # outside recording(): an evaluation forward, not counted

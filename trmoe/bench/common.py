@@ -91,13 +91,18 @@ def record(name: str, payload: dict, out: Path | None = None) -> dict:
 
 
 def layer_args(name: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
-    """Arguments of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, with
-    device-dependent defaults filled in."""
+    """Arguments of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, routing
+    strategy, with device-dependent defaults filled in."""
     parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
     parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument(
+        "--strategy",
+        default="modulo_cyclic",
+        help="route tables (the default's E tuples group rows by tuple; hashed ones, e.g. random, by expert)",
+    )
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.tokens = args.tokens or (8 * 2048 if gpu else 2 * 2048)

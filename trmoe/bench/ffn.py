@@ -77,7 +77,9 @@ def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, *args
 VOCAB = 200_019
 
 
-def layer_cases(tokens: int, experts: int, top_k: int, device: str, dtype: str):
+def layer_cases(
+    tokens: int, experts: int, top_k: int, device: str, dtype: str, strategy: str = "modulo_cyclic"
+):
     """For each layout: (name, (hidden, shared, routed), a TR FFN of those widths, inputs x [tokens, hidden]
     that take gradients, token ids), on `device` in `dtype`; seeded, so every benchmark sees the same. The
     process gets the train loop's default hardware settings (deterministic algorithms, host memory reuse)."""
@@ -85,17 +87,24 @@ def layer_cases(tokens: int, experts: int, top_k: int, device: str, dtype: str):
     env.configure(HardwareConfig(), dev)  # the process as a training run sets it up by default
     torch.manual_seed(0)
     for name, widths in LAYOUTS.items():
-        tr = tr_ffn(*widths, experts, top_k, VOCAB).to(dev, dt)
+        tr = tr_ffn(*widths, experts, top_k, VOCAB, strategy=strategy).to(dev, dt)
         x = torch.randn(tokens, widths[0], device=dev, dtype=dt, requires_grad=True)
         yield name, widths, tr, x, torch.randint(0, VOCAB, (tokens,), device=dev)
 
 
 def run(
-    tokens: int, experts: int = 4, top_k: int = 2, reps: int = 7, device: str = "cpu", dtype: str = "float32"
+    tokens: int,
+    experts: int = 4,
+    top_k: int = 2,
+    reps: int = 7,
+    device: str = "cpu",
+    dtype: str = "float32",
+    strategy: str = "modulo_cyclic",
 ) -> list[dict]:
     dev, dt = torch.device(device), getattr(torch, dtype)
     results = []
-    for name, (hidden, shared, routed), tr, x, ids in layer_cases(tokens, experts, top_k, device, dtype):
+    layers = layer_cases(tokens, experts, top_k, device, dtype, strategy)
+    for name, (hidden, shared, routed), tr, x, ids in layers:
         active = shared + top_k * routed // experts
         dense_stored = _dense(hidden, shared + routed).to(dev, dt)
         dense_active = _dense(hidden, active).to(dev, dt)
@@ -121,6 +130,8 @@ def run(
                     "routed_width": routed,
                     "experts": experts,
                     "top_k": top_k,
+                    "strategy": strategy,
+                    "grouped_by": "route tuple" if tr.routed.route_tuples is not None else "expert",
                     "stored_width": shared + routed,
                     "active_width": active,
                     "ideal_ratio_vs_stored": active / (shared + routed),
@@ -137,7 +148,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> None:
     args = layer_args("ffn", __doc__, argv)
-    for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype):
+    for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype, strategy=args.strategy):
         stored, active = r["paired_ratio_vs_dense_stored"], r["paired_ratio_vs_dense_active"]
         print(
             f"{r['layout']:>14}: TR {r['timings']['tr']['median_s'] * 1e3:7.2f} ms | "

@@ -7,12 +7,18 @@ experts of width routed_width / E; r_k(t) is the k-th expert of token id t in th
 w_0 = p and w_k = (1 - p) / (K - 1) for k >= 1; g_s, g_r are optional learnable scalar gates; a, b are fixed
 output scales (optionally interpolated over depth by the caller).
 
-Dispatch: each token runs through exactly its K experts. The (token, route) pairs are sorted by expert so
-each expert's rows are contiguous, both projections run as one grouped GEMM over those groups (the group
-offsets stay on the device: no host sync), the route weight and the branch's gate x scale multiply the
-narrow [rows, W] activation rather than the [rows, H] outputs, and one index_add sums each token's K rows
-(straight into the shared expert's output).
-Work is K x tokens expert rows, never E x tokens.
+Dispatch: each token runs through exactly its K experts: K x tokens expert rows of work, never E x tokens.
+Rows are grouped so that both projections run as one grouped GEMM each (the group offsets stay on the
+device: no host sync), in one of two ways, fixed per layer by its route table:
+  - by route tuple, when the table holds no more distinct tuples (r_0, ..., r_{K-1}) than experts
+    (modulo_cyclic: exactly E; any table at K = 1): tokens are sorted by tuple and each token is one row
+    multiplied by its K experts' weights side by side ([H, 2KW], gathered per tuple: weight-sized copies).
+    Gathering the inputs and putting the outputs back are row permutations of N rows, gradients included:
+    no scatter-add, and half the rows the second way moves at K = 2. The route weights and the branch's
+    gate x scale fold into the gathered output weights.
+  - by expert otherwise: the (token, route) pairs are sorted by expert, K x N rows; the route weight and
+    gate x scale multiply the narrow [rows, W] activation, and one index_add sums each token's K rows.
+Either way the routed rows are summed straight into the shared expert's output.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trmoe.model.routing import build_route_table
+from trmoe.model.routing import build_route_table, tuple_grouping
 
 
 class _SiluMul(torch.autograd.Function):
@@ -46,6 +52,26 @@ class _SiluMul(torch.autograd.Function):
         torch.mul(grad, silu, out=grad_up)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
         return grad_gu
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[perm] for a permutation of the rows; its gradient is the inverse permutation of the upstream one
+    (autograd's index_select backward would zero-fill and scatter-add instead)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[perm], with `inverse` the inverse permutation (inverse[perm] = arange)."""
+    return _PermuteRows.apply(x, perm, inverse)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -152,6 +178,32 @@ class RoutedExperts(nn.Module):
             table = build_route_table(strategy, vocab_size, num_experts, top_k, layer, seed, hash_count)
         self.register_buffer("route_table", table)
         self.register_buffer("expert_ids", torch.arange(num_experts, dtype=table.dtype), persistent=False)
+        self._index_tuples()
+        # a loaded route table replaces the built one: derive the tuples from it
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._index_tuples())
+
+    def set_route_table(self, table: torch.Tensor) -> None:
+        """Replace the route table ([K, vocab] expert ids) and re-derive the tuple grouping. The table is
+        otherwise fixed: change it through this or load_state_dict, never in place."""
+        with torch.no_grad():
+            self.route_table.copy_(table)
+        self._index_tuples()
+
+    def _index_tuples(self) -> None:
+        """Group by route tuple (see the module docstring) when the table has at most E distinct tuples:
+        `route_tuples` [C, K], `tuple_of` [vocab] and `tuple_ids` [C], non-persistent buffers derived
+        from route_table (None when grouping by expert)."""
+        grouping = None
+        if self.route_table.device.type != "meta":
+            grouping = tuple_grouping(self.route_table.cpu(), self.num_experts)
+        tuples, tuple_of, ids = None, None, None
+        if grouping is not None:
+            device = self.route_table.device
+            tuples, tuple_of = grouping[0].to(device), grouping[1].to(device)
+            ids = torch.arange(len(tuples), dtype=tuple_of.dtype, device=device)
+        self.register_buffer("route_tuples", tuples, persistent=False)
+        self.register_buffer("tuple_of", tuple_of, persistent=False)
+        self.register_buffer("tuple_ids", ids, persistent=False)
 
     @property
     def primary_weight(self) -> float:
@@ -183,6 +235,9 @@ class RoutedExperts(nn.Module):
         if self.num_experts == 1:  # dense control: every token to the single expert, weight 1
             out = swiglu(x, self.w_in[0], self.w_out[0]) * scale
             return out if into is None else into.add_(out)
+        if self.route_tuples is not None:
+            out = self._by_tuple(x, token_ids, scale)
+            return out if into is None else into.add_(out)
         n = x.shape[0]
         experts = self.route_table[:, token_ids].reshape(-1)  # [K*N], index = route * N + token
         grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
@@ -196,6 +251,30 @@ class RoutedExperts(nn.Module):
         out = grouped_mm(silu_mul(grouped_mm(xs, self.w_in, ends)) * row_scale, self.w_out, ends)
         combined = out.new_zeros(n, out.shape[1]) if into is None else into
         return combined.index_add_(0, token_of, out.to(combined.dtype))
+
+    def _by_tuple(
+        self, x: torch.Tensor, token_ids: torch.Tensor, scale: torch.Tensor | float
+    ) -> torch.Tensor:
+        """One row per token, sorted by route tuple; each tuple's K experts run side by side as one SwiGLU
+        of width K x W (the same work as K rows of width W)."""
+        tuples = self.route_tuples
+        (c, k), h, w = tuples.shape, self.w_in.shape[1], self.w_in.shape[2] // 2
+        grouped, order = torch.sort(self.tuple_of[token_ids], stable=True)
+        ends = torch.searchsorted(grouped, self.tuple_ids, right=True)
+        inverse = torch.argsort(order)
+        flat = tuples.reshape(-1)
+        # [C, H, 2KW], laid out [gate of r_0..r_{K-1} | up of r_0..r_{K-1}] for silu_mul
+        w_in = (
+            self.w_in.index_select(0, flat)
+            .view(c, k, h, 2, w)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(c, h, 2 * k * w)
+        )
+        # [C, KW, H], each expert's rows times its route weight and the branch factor
+        w_out = self.w_out.index_select(0, flat).view(c, k, w, h) * (self.route_w.view(1, k, 1, 1) * scale)
+        rows = permute_rows(x, order, inverse)
+        out = grouped_mm(silu_mul(grouped_mm(rows, w_in, ends)), w_out.reshape(c, k * w, h), ends)
+        return permute_rows(out, inverse, order)
 
 
 class TRMoEFFN(nn.Module):

@@ -40,6 +40,7 @@ slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -299,3 +300,25 @@ def balance_stats(table: torch.Tensor, num_experts: int) -> dict[str, float]:
         "primary_min_over_mean": float(primary.min()) / p_mean,
         "all_min_over_mean": float(total.min()) / a_mean,
     }
+
+
+def tuple_grouping(table: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Whether a layer runs its routed experts grouped by route tuple (trmoe/model/moe.py), and with what:
+    ``(tuples, tuple_of)`` when the ``[top_k, vocab_size]`` table holds no more distinct tuples
+    (r_0, ..., r_{K-1}) than experts, else None. ``tuples`` ``[C, top_k]`` int64 (sorted), ``tuple_of``
+    ``[vocab_size]`` the index of each token id's tuple, in the table's dtype. modulo_cyclic tables have
+    exactly E tuples, any table at K = 1 at most E; hashed ones up to E!/(E-K)!."""
+    tuples, tuple_of = torch.unique(table.to(torch.int64).t(), dim=0, return_inverse=True)
+    if tuples.shape[0] > num_experts:
+        return None
+    return tuples, tuple_of.to(table.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def groups_by_tuple(
+    strategy: str, vocab_size: int, num_experts: int, top_k: int, seed: int, hash_count: int
+) -> bool:
+    """`tuple_grouping` of layer 0's table is not None (the planner's question; every layer of the
+    built-in strategies has the same number of tuples at a realistic vocabulary)."""
+    table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
+    return tuple_grouping(table, num_experts) is not None

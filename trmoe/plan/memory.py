@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from trmoe.config.schema import Config, OptimizerName
+from trmoe.model.routing import groups_by_tuple
 from trmoe.model.transformer import ModelSpec, ParamCounts
 from trmoe.train.optim import split_param_groups
 
@@ -68,8 +69,13 @@ def layer_activation_bytes(spec: ModelSpec, compute_bytes: int, shared_chunked: 
         if spec.num_experts == 1:  # dense control: the plain SwiGLU (its input is the shared one in fp32)
             ffn += (a * h if amp or not spec.shared_width else 0) + 4 * a * spec.routed_width
             ffn += a * h if spec.gates else 0
-        else:  # K gathered token rows, [gate | up], silu, silu * up, its route-weighted copy (the gate and
-            # scale go in there, trmoe.model.moe), and the K expert outputs the scatter-add keeps
+        elif groups_by_tuple(
+            spec.strategy, spec.vocab_size, spec.num_experts, spec.top_k, spec.route_seed, spec.hash_count
+        ):  # by route tuple (trmoe.model.moe): the token rows in tuple order, [gate | up], silu and
+            # silu * up of the K experts side by side, and the two int64 row permutations
+            ffn += a * h + 4 * a * spec.top_k * spec.expert_width + 2 * 8
+        else:  # by expert: K gathered token rows, [gate | up], silu, silu * up, its route-weighted copy
+            # (the gate and scale go in there), and the K expert outputs the scatter-add keeps
             ffn += 2 * a * spec.top_k * h + 5 * a * spec.top_k * spec.expert_width
     return attn + ffn
 
