@@ -123,6 +123,26 @@ def test_dispatch_does_k_rows_of_work_per_token(monkeypatch, strategy, by_tuple)
         assert sizes_in == torch.bincount(module.route_table[:, ids].reshape(-1).long(), minlength=4).tolist()
 
 
+@pytest.mark.parametrize("strategy", ["modulo_cyclic", "random"])
+def test_bf16_parameters_with_fp32_buffers_stay_bf16(strategy):
+    """FSDP2's mixed precision casts the parameters to bf16 but not the buffers (route weights): the routed
+    branch must not promote its rows or weights back to fp32 (grouped GEMMs need one dtype)."""
+    torch.manual_seed(0)
+    module = RoutedExperts(
+        16, 64, 4, 2, 0.7, vocab_size=500, layer=0, strategy=strategy, seed=0, hash_count=2
+    )
+    for p in module.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.2)
+    x, ids = torch.randn(64, 16), torch.randint(0, 500, (64,))
+    ref = module(x, ids, 0.5)
+    for p in module.parameters():
+        p.data = p.data.bfloat16()
+    assert module.route_w.dtype == torch.float32
+    out = module(x.bfloat16(), ids, torch.tensor(0.5, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
+
+
 def test_route_tuples_follow_a_loaded_route_table():
     """The tuple grouping is derived from the route table: loading another table re-derives it (a stale one
     would route tokens through the wrong experts)."""

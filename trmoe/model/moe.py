@@ -238,6 +238,16 @@ class RoutedExperts(nn.Module):
         if self.route_tuples is not None:
             out = self._by_tuple(x, token_ids, scale)
             return out if into is None else into.add_(out)
+        return self._by_expert(x, token_ids, scale, into)
+
+    def _by_expert(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        scale: torch.Tensor | float,
+        into: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One row per (token, route), sorted by expert; index_add sums each token's K rows."""
         n = x.shape[0]
         experts = self.route_table[:, token_ids].reshape(-1)  # [K*N], index = route * N + token
         grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
@@ -270,8 +280,10 @@ class RoutedExperts(nn.Module):
             .permute(0, 2, 3, 1, 4)
             .reshape(c, h, 2 * k * w)
         )
-        # [C, KW, H], each expert's rows times its route weight and the branch factor
-        w_out = self.w_out.index_select(0, flat).view(c, k, w, h) * (self.route_w.view(1, k, 1, 1) * scale)
+        # [C, KW, H], each expert's rows times its route weight and the branch factor (in the weights'
+        # dtype: under FSDP2 mixed precision the parameters are bf16, the route-weight buffer fp32)
+        factor = (self.route_w.view(1, k, 1, 1) * scale).to(self.w_out.dtype)
+        w_out = self.w_out.index_select(0, flat).view(c, k, w, h) * factor
         rows = permute_rows(x, order, inverse)
         out = grouped_mm(silu_mul(grouped_mm(rows, w_in, ends)), w_out.reshape(c, k * w, h), ends)
         return permute_rows(out, inverse, order)
