@@ -237,6 +237,41 @@ def test_ffn_formula_gates_scales_and_weights():
     assert route_weights(3, 0.5) == [0.5, 0.25, 0.25]
 
 
+@pytest.mark.parametrize("strategy", ["modulo_cyclic", "affine_hash"])  # grouped by route tuple / expert
+def test_ffn_gradients_equal_the_naive_formulas(strategy):
+    """Every gradient (x, shared and expert matrices, both gates) equals autograd's of the plain per-token
+    formula, whichever way the rows are grouped and wherever gate x scale is applied."""
+    torch.manual_seed(0)
+    ffn = TRMoEFFN(
+        8,
+        12,
+        16,
+        4,
+        2,
+        0.7,
+        gates=True,
+        shared_gate_init=0.5,
+        routed_gate_init=2.0,
+        shared_scale=3.0,
+        routed_scale=0.25,
+        vocab_size=40,
+        layer=2,
+        strategy=strategy,
+        seed=1,
+        hash_count=2,
+    ).double()
+    for p in (ffn.shared.w_in, ffn.shared.w_out, ffn.routed.w_in, ffn.routed.w_out):
+        torch.nn.init.normal_(p, 0, 0.3)
+    x, ids = torch.randn(11, 8, dtype=torch.float64, requires_grad=True), torch.randint(0, 40, (11,))
+    params = [x, *ffn.parameters()]
+    got = torch.autograd.grad(ffn(x, ids).pow(2).sum(), params)
+    shared = 3.0 * ffn.shared_gate * swiglu(x, ffn.shared.w_in, ffn.shared.w_out)
+    ref = shared + 0.25 * ffn.routed_gate * _naive_routed(ffn.routed, x, ids)
+    want = torch.autograd.grad(ref.pow(2).sum(), params)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_init_statistics_and_tied_head():
     spec = model_spec(to_config(compose_config("model=50m", "model.vocab_size=5000")))
     torch.manual_seed(0)

@@ -125,21 +125,24 @@ def test_grad_norms_match_the_parameters_gradients():
 
 
 def test_branch_rms_is_the_scaled_gated_contribution():
+    """Both branches' RMS is that of what they add to the residual stream, gate x scale included."""
     model = tiny_model()
     ffn = model.blocks[0].ffn
     with torch.no_grad():
         ffn.routed_gate.fill_(0.25)
-    ffn.routed_scale = 2.0
+        ffn.shared_gate.fill_(3.0)
+    ffn.routed_scale, ffn.shared_scale = 2.0, 0.5
     tel = MoETelemetry(model, torch.device("cpu"))
     x, ids = torch.randn(10, 64), torch.arange(10)
     with torch.no_grad():
-        raw = ffn.routed(x, ids)  # not recorded: the branch without its gate x scale
+        raw = ffn.routed(x, ids)  # not recorded: the branches without their gate x scale
+        raw_shared = ffn.shared(x)
         with tel.recording():
             ffn(x, ids)
-    # what the FFN adds to the residual stream: the raw branch times gate 0.25 x scale 2
-    expected = raw.pow(2).mean().sqrt() * 0.5
+    # what the FFN adds to the residual stream: the raw branch times gate 0.25 x scale 2 (shared: 3 x 0.5)
     _, rows = tel.collect(step=1, grad_sq=None)
-    assert rows[0]["routed_rms"] == pytest.approx(float(expected), rel=1e-5)
+    assert rows[0]["routed_rms"] == pytest.approx(float(raw.pow(2).mean().sqrt() * 0.5), rel=1e-5)
+    assert rows[0]["shared_rms"] == pytest.approx(float(raw_shared.pow(2).mean().sqrt() * 1.5), rel=1e-5)
     # the FFN keeps the routed sum apart only while telemetry watches it
     assert not any(block.ffn.fold_routed for block in model.blocks)
     tel.remove()

@@ -135,15 +135,16 @@ class SharedExpert(nn.Module):
         # recomputed in the backward, so its [n, 3W] intermediates never exist for all tokens at once.
         self.chunk_tokens = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, factor: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """x [N, H] -> factor * SwiGLU(x) [N, H]; the factor (gate x scale) multiplies the [W, H] output
+        weight, not the [N, H] output, so its gradient is weight-sized and no output is kept for it."""
+        w_out = _scaled(self.w_out, factor)
         n = self.chunk_tokens
         if n <= 0 or x.shape[0] <= n:
-            return swiglu(x, self.w_in, self.w_out)
+            return swiglu(x, self.w_in, w_out)
         if not torch.is_grad_enabled():
-            return torch.cat([swiglu(c, self.w_in, self.w_out) for c in x.split(n)])
-        return torch.cat(
-            [checkpoint(swiglu, c, self.w_in, self.w_out, use_reentrant=False) for c in x.split(n)]
-        )
+            return torch.cat([swiglu(c, self.w_in, w_out) for c in x.split(n)])
+        return torch.cat([checkpoint(swiglu, c, self.w_in, w_out, use_reentrant=False) for c in x.split(n)])
 
 
 class RoutedExperts(nn.Module):
@@ -233,7 +234,7 @@ class RoutedExperts(nn.Module):
         """x [N, H], token_ids [N] -> scale * sum_k w_k E_{r_k}(x), [N, H]; added in place into `into` [N, H]
         and returned as it when given (the shared branch's output: no separate sum to allocate and add)."""
         if self.num_experts == 1:  # dense control: every token to the single expert, weight 1
-            out = swiglu(x, self.w_in[0], self.w_out[0]) * scale
+            out = swiglu(x, self.w_in[0], _scaled(self.w_out[0], scale))
             return out if into is None else into.add_(out)
         if self.route_tuples is not None:
             out = self._by_tuple(x, token_ids, scale)
@@ -341,10 +342,10 @@ class TRMoEFFN(nn.Module):
         shape = x.shape
         x, token_ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
         y = None
+        # each branch's gate x scale goes into its weights or narrow activation, not onto its [N, H] output
         if self.shared is not None:
-            y = self.shared(x) * _factor(self.shared_scale, self.shared_gate)
+            y = self.shared(x, _factor(self.shared_scale, self.shared_gate))
         if self.routed is not None:
-            # gate x scale goes into the routed branch's narrow activation, not onto its [N, H] output
             factor = _factor(self.routed_scale, self.routed_gate)
             if y is not None and self.fold_routed:
                 y = self.routed(x, token_ids, factor, into=y)
@@ -357,3 +358,11 @@ class TRMoEFFN(nn.Module):
 def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:
     """A branch's output factor: the fixed scale times the learnable gate (when there is one)."""
     return scale if gate is None else gate * scale
+
+
+def _scaled(weight: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
+    """weight x factor, in the weight's dtype (FSDP2 mixed precision: bf16 weights, an fp32 gate); the
+    weight itself when the factor is the plain number 1."""
+    if isinstance(factor, float | int) and factor == 1:
+        return weight
+    return weight * (factor.to(weight.dtype) if isinstance(factor, torch.Tensor) else factor)

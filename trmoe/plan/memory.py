@@ -64,11 +64,9 @@ def layer_activation_bytes(spec: ModelSpec, compute_bytes: int, shared_chunked: 
             ffn += f * h
         else:  # GEMM input, SwiGLU [gate | up], silu(gate), silu(gate) * up
             ffn += a * h + 4 * a * spec.shared_width
-        ffn += a * h if spec.gates else 0  # the branch output, saved by the gate multiply
     if spec.routed_width:
         if spec.num_experts == 1:  # dense control: the plain SwiGLU (its input is the shared one in fp32)
             ffn += (a * h if amp or not spec.shared_width else 0) + 4 * a * spec.routed_width
-            ffn += a * h if spec.gates else 0
         elif groups_by_tuple(
             spec.strategy, spec.vocab_size, spec.num_experts, spec.top_k, spec.route_seed, spec.hash_count
         ):  # by route tuple (trmoe.model.moe): the token rows in tuple order, [gate | up], silu and

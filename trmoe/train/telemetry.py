@@ -87,17 +87,12 @@ class MoETelemetry:
         for ffn in self.ffns:
             ffn.fold_routed = True
 
-    @staticmethod
-    def _branch_factor(scale: float, gate: torch.Tensor | None):
-        return scale if gate is None else gate.detach().double() * scale
-
     @torch.compiler.disable
     def _shared_hook(self, layer: int, module, inputs, output) -> None:
         if not self._recording:
             return
-        ffn = self.ffns[layer]
-        factor = self._branch_factor(ffn.shared_scale, ffn.shared_gate)
-        self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=torch.float64) * (factor * factor)
+        # the output already carries the branch's gate x scale (folded into its output weight)
+        self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=torch.float64)
         self.numel[layer, 0] += output.numel()
 
     @torch.compiler.disable
