@@ -281,10 +281,10 @@ class RoutedExperts(nn.Module):
             .permute(0, 2, 3, 1, 4)
             .reshape(c, h, 2 * k * w)
         )
-        # [C, KW, H], each expert's rows times its route weight and the branch factor (in the weights'
-        # dtype: under FSDP2 mixed precision the parameters are bf16, the route-weight buffer fp32)
-        factor = (self.route_w.view(1, k, 1, 1) * scale).to(self.w_out.dtype)
-        w_out = self.w_out.index_select(0, flat).view(c, k, w, h) * factor
+        # [C, KW, H], each expert's rows times its route weight and the branch factor
+        w_out = _scaled(
+            self.w_out.index_select(0, flat).view(c, k, w, h), self.route_w.view(1, k, 1, 1) * scale
+        )
         rows = permute_rows(x, order, inverse)
         out = grouped_mm(silu_mul(grouped_mm(rows, w_in, ends)), w_out.reshape(c, k * w, h), ends)
         return permute_rows(out, inverse, order)
@@ -361,8 +361,9 @@ def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:
 
 
 def _scaled(weight: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
-    """weight x factor, in the weight's dtype (FSDP2 mixed precision: bf16 weights, an fp32 gate); the
-    weight itself when the factor is the plain number 1."""
+    """weight x factor, in the weight's dtype (FSDP2 mixed precision: bf16 weights, fp32 gates and route
+    weights; an fp32 product would meet bf16 rows in the GEMMs); the weight itself when the factor is the
+    plain number 1."""
     if isinstance(factor, float | int) and factor == 1:
         return weight
     return weight * (factor.to(weight.dtype) if isinstance(factor, torch.Tensor) else factor)
