@@ -195,12 +195,13 @@ def test_dense_control_equals_one_swiglu_of_combined_width():
     torch.testing.assert_close(ffn(x, torch.randint(0, 50, (2, 9))), swiglu(x, w_in, w_out))
 
 
-def test_ffn_formula_gates_scales_and_weights():
+def _gated_ffn(strategy: str, shared: int = 4, routed: int = 8) -> TRMoEFFN:
+    """A float64 FFN (H = 8, E = 4, K = 2, p = 0.7) with gates 0.5 / 2.0 and scales 3.0 / 0.25."""
     torch.manual_seed(0)
     ffn = TRMoEFFN(
         8,
-        4,
-        8,
+        shared,
+        routed,
         4,
         2,
         0.7,
@@ -211,12 +212,17 @@ def test_ffn_formula_gates_scales_and_weights():
         routed_scale=0.25,
         vocab_size=40,
         layer=2,
-        strategy="affine_hash",
+        strategy=strategy,
         seed=1,
         hash_count=2,
     ).double()
     for p in (ffn.shared.w_in, ffn.shared.w_out, ffn.routed.w_in, ffn.routed.w_out):
         torch.nn.init.normal_(p, 0, 0.3)
+    return ffn
+
+
+def test_ffn_formula_gates_scales_and_weights():
+    ffn = _gated_ffn("affine_hash")
     x, ids = torch.randn(11, 8, dtype=torch.float64), torch.randint(0, 40, (11,))
     expected = 3.0 * 0.5 * swiglu(x, ffn.shared.w_in, ffn.shared.w_out) + 0.25 * 2.0 * _naive_routed(
         ffn.routed, x, ids
@@ -241,27 +247,7 @@ def test_ffn_formula_gates_scales_and_weights():
 def test_ffn_gradients_equal_the_naive_formulas(strategy):
     """Every gradient (x, shared and expert matrices, both gates) equals autograd's of the plain per-token
     formula, whichever way the rows are grouped and wherever gate x scale is applied."""
-    torch.manual_seed(0)
-    ffn = TRMoEFFN(
-        8,
-        12,
-        16,
-        4,
-        2,
-        0.7,
-        gates=True,
-        shared_gate_init=0.5,
-        routed_gate_init=2.0,
-        shared_scale=3.0,
-        routed_scale=0.25,
-        vocab_size=40,
-        layer=2,
-        strategy=strategy,
-        seed=1,
-        hash_count=2,
-    ).double()
-    for p in (ffn.shared.w_in, ffn.shared.w_out, ffn.routed.w_in, ffn.routed.w_out):
-        torch.nn.init.normal_(p, 0, 0.3)
+    ffn = _gated_ffn(strategy, shared=12, routed=16)
     x, ids = torch.randn(11, 8, dtype=torch.float64, requires_grad=True), torch.randint(0, 40, (11,))
     params = [x, *ffn.parameters()]
     got = torch.autograd.grad(ffn(x, ids).pow(2).sum(), params)
