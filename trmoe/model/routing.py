@@ -308,10 +308,17 @@ def tuple_grouping(table: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     (r_0, ..., r_{K-1}) than experts, else None. ``tuples`` ``[C, top_k]`` int64 (sorted), ``tuple_of``
     ``[vocab_size]`` the index of each token id's tuple, in the table's dtype. modulo_cyclic tables have
     exactly E tuples, any table at K = 1 at most E; hashed ones up to E!/(E-K)!."""
-    tuples, tuple_of = torch.unique(table.to(torch.int64).t(), dim=0, return_inverse=True)
-    if tuples.shape[0] > num_experts:
+    ids = table.to(torch.int64)
+    # each tuple as one integer, r_0 its most significant base-E digit: a 1-D unique takes ~0.02 s for a
+    # 200k-token table where a unique over rows took 0.42 s, and this runs for every layer of a new model
+    code = torch.zeros_like(ids[0])
+    for k in range(ids.shape[0]):
+        code = code * num_experts + ids[k]
+    codes, tuple_of = torch.unique(code, return_inverse=True)
+    if codes.shape[0] > num_experts:
         return None
-    return tuples, tuple_of.to(table.dtype)
+    digits = [codes // num_experts**p % num_experts for p in range(ids.shape[0] - 1, -1, -1)]
+    return torch.stack(digits, dim=1), tuple_of.to(table.dtype)
 
 
 @functools.lru_cache(maxsize=64)
