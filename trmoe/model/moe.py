@@ -76,6 +76,11 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """The SwiGLU activation silu(g) * u of gu = [g | u] (last dimension 2W) -> [.., W]."""
+    if torch.compiler.is_compiling():
+        # the compiler fuses the plain formula, backward included; the custom backward's out= writes
+        # into halves of one tensor, which Dynamo cannot trace (a graph break at every SwiGLU)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return _SiluMul.apply(gu)
 
 
