@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~5 minutes on
 # one H200; each part has its own time limit, the most important first). Log and results: ${OUT:-bench/gpu_out}.
-#   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss;
+#   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss,
+#      the model under autocast compiles to one graph (torch.compile fullgraph);
 #   2. benchmarks in bf16: ffn (rows grouped by route tuple, the default, and by expert) and dispatch at
 #      8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
 #      and training steps of 100m and 300m (eager; 300m with liger and with torch.compile) with MFU against the

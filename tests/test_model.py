@@ -351,21 +351,30 @@ def test_silu_mul_matches_autograd_of_the_plain_formula():
     assert torch.equal(*(torch.autograd.grad(out, gu32, upstream)[0] for out in (ours, plain)))
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
 @pytest.mark.parametrize("strategy", ["modulo_cyclic", "random"])
-def test_model_compiles_to_one_graph_in_bf16(strategy):
+@pytest.mark.parametrize("mode", ["cpu_bf16_weights", pytest.param("cuda_autocast", marks=CUDA)])
+def test_model_compiles_to_one_graph_in_bf16(strategy, mode):
     """trainer.compile on a GPU: bf16 rows (autocast) take the grouped GEMM, so the whole model, forward and
     backward, must trace as one graph; a graph break per SwiGLU or per routed layer would leave every FFN
-    uncompiled. fullgraph=True raises at the first break; bf16 on the CPU stands in for GPU autocast (in
-    fp32 the CPU falls back to a loop over the groups, which reads their sizes on the host)."""
+    uncompiled. fullgraph=True raises at the first break. On a CPU, bf16 weights stand in for GPU autocast
+    (in fp32 the CPU falls back to a loop over the groups, which reads their sizes on the host);
+    bench/gpu_check.sh runs the autocast case on a GPU."""
     spec = model_spec(to_config(compose_config("routing.top_k=2", f"routing.strategy={strategy}")))
-    model = TRMoETransformer(spec).to(torch.bfloat16)
+    device = "cuda" if mode == "cuda_autocast" else "cpu"
+    model = TRMoETransformer(spec).to(device)
+    if mode == "cpu_bf16_weights":
+        model = model.to(torch.bfloat16)
     assert (model.blocks[0].ffn.routed.route_tuples is not None) == (strategy == "modulo_cyclic")
+    eager = TRMoETransformer(spec).to(device, next(model.parameters()).dtype)
+    eager.load_state_dict(model.state_dict())
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    ids = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    compiled(ids).float().square().mean().backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert all(g is not None for g in grads)
-    eager = TRMoETransformer(spec).to(torch.bfloat16)
-    eager.load_state_dict(model.state_dict())
-    torch.testing.assert_close(compiled(ids), eager(ids), rtol=0.02, atol=0.02)
+    ids = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "cuda_autocast"):
+        out, ref = compiled(ids), eager(ids)
+    out.float().square().mean().backward()  # outside autocast, as the train loop does
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
