@@ -195,8 +195,10 @@ def test_dense_control_equals_one_swiglu_of_combined_width():
     torch.testing.assert_close(ffn(x, torch.randint(0, 50, (2, 9))), swiglu(x, w_in, w_out))
 
 
-def _gated_ffn(strategy: str, shared: int = 4, routed: int = 8) -> TRMoEFFN:
-    """A float64 FFN (H = 8, E = 4, K = 2, p = 0.7) with gates 0.5 / 2.0 and scales 3.0 / 0.25."""
+def _gated_ffn(
+    strategy: str, shared: int = 4, routed: int = 8, scales: tuple[float, float] = (3.0, 0.25)
+) -> TRMoEFFN:
+    """A float64 FFN (H = 8, E = 4, K = 2, p = 0.7) with gates 0.5 / 2.0 and (shared, routed) scales."""
     torch.manual_seed(0)
     ffn = TRMoEFFN(
         8,
@@ -208,8 +210,8 @@ def _gated_ffn(strategy: str, shared: int = 4, routed: int = 8) -> TRMoEFFN:
         gates=True,
         shared_gate_init=0.5,
         routed_gate_init=2.0,
-        shared_scale=3.0,
-        routed_scale=0.25,
+        shared_scale=scales[0],
+        routed_scale=scales[1],
         vocab_size=40,
         layer=2,
         strategy=strategy,
@@ -244,15 +246,16 @@ def test_ffn_formula_gates_scales_and_weights():
 
 
 @pytest.mark.parametrize("strategy", ["modulo_cyclic", "affine_hash"])  # grouped by route tuple / expert
-def test_ffn_gradients_equal_the_naive_formulas(strategy):
+@pytest.mark.parametrize("scales", [(3.0, 0.25), (1.0, 1.0)])  # at scale 1 the factor is the gate itself
+def test_ffn_gradients_equal_the_naive_formulas(strategy, scales):
     """Every gradient (x, shared and expert matrices, both gates) equals autograd's of the plain per-token
     formula, whichever way the rows are grouped and wherever gate x scale is applied."""
-    ffn = _gated_ffn(strategy, shared=12, routed=16)
+    ffn = _gated_ffn(strategy, shared=12, routed=16, scales=scales)
     x, ids = torch.randn(11, 8, dtype=torch.float64, requires_grad=True), torch.randint(0, 40, (11,))
     params = [x, *ffn.parameters()]
     got = torch.autograd.grad(ffn(x, ids).pow(2).sum(), params)
-    shared = 3.0 * ffn.shared_gate * swiglu(x, ffn.shared.w_in, ffn.shared.w_out)
-    ref = shared + 0.25 * ffn.routed_gate * _naive_routed(ffn.routed, x, ids)
+    shared = scales[0] * ffn.shared_gate * swiglu(x, ffn.shared.w_in, ffn.shared.w_out)
+    ref = shared + scales[1] * ffn.routed_gate * _naive_routed(ffn.routed, x, ids)
     want = torch.autograd.grad(ref.pow(2).sum(), params)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

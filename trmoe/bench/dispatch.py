@@ -69,7 +69,7 @@ def run(
                 experts,
                 (routed.w_in, routed.w_out),
             )
-        ends = torch.bincount(groups, minlength=c).cumsum(0)
+        ends = torch.bincount(groups, minlength=c).cumsum(0).to(torch.int32)  # as the dispatch makes them
         grouped = torch.randn(groups.numel(), hidden, device=dev, dtype=dt, requires_grad=True)
 
         grad = torch.randn_like(x).detach()

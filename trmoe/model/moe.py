@@ -94,10 +94,10 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """rows [M, A] grouped contiguously, weights [G, A, B], ends [G] (cumulative row counts) -> [M, B]:
-    group g's rows times weights[g]. One grouped GEMM where torch has one for these shapes and dtypes
-    (offsets stay on the device, so no host sync); otherwise a loop over the groups (that reads the
-    offsets on the host)."""
+    """rows [M, A] grouped contiguously, weights [G, A, B], ends [G] (cumulative row counts; int32 spares a
+    cast per call) -> [M, B]: group g's rows times weights[g]. One grouped GEMM where torch has one for
+    these shapes and dtypes (offsets stay on the device, so no host sync); otherwise a loop over the groups
+    (that reads the offsets on the host)."""
     if rows.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # autocast does not cover the grouped GEMM: cast as it would
         rows, weights = rows.to(dtype), weights.to(dtype)
@@ -258,7 +258,7 @@ class RoutedExperts(nn.Module):
         experts = self.route_table[:, token_ids].reshape(-1)  # [K*N], index = route * N + token
         grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
         # group boundaries found on the device (bincount would read its size on the host: a sync)
-        ends = torch.searchsorted(grouped, self.expert_ids, right=True)
+        ends = torch.searchsorted(grouped, self.expert_ids, right=True, out_int32=True)
         token_of = order % n
         xs = x.index_select(0, token_of)
         # each row's route weight, times the branch factor afterwards: indexing a learnable 0-dim gate
@@ -276,7 +276,7 @@ class RoutedExperts(nn.Module):
         tuples = self.route_tuples
         (c, k), h, w = tuples.shape, self.w_in.shape[1], self.w_in.shape[2] // 2
         grouped, order = torch.sort(self.tuple_of[token_ids], stable=True)
-        ends = torch.searchsorted(grouped, self.tuple_ids, right=True)
+        ends = torch.searchsorted(grouped, self.tuple_ids, right=True, out_int32=True)
         inverse = torch.argsort(order)
         flat = tuples.reshape(-1)
         # [C, H, 2KW], laid out [gate of r_0..r_{K-1} | up of r_0..r_{K-1}] for silu_mul
@@ -361,8 +361,11 @@ class TRMoEFFN(nn.Module):
 
 
 def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:
-    """A branch's output factor: the fixed scale times the learnable gate (when there is one)."""
-    return scale if gate is None else gate * scale
+    """A branch's output factor: the fixed scale times the learnable gate (when there is one); the gate
+    itself at scale 1 (one scalar kernel fewer each way: the GPU FFN is launch-bound at these widths)."""
+    if gate is None:
+        return scale
+    return gate if scale == 1 else gate * scale
 
 
 def _scaled(weight: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
