@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trmoe.bench import dispatch, ffn, step
+from trmoe.bench.common import LayerBench
 
 
 @pytest.fixture
@@ -25,8 +26,8 @@ def results(tmp_path, monkeypatch):
 
 
 def test_ffn_and_dispatch_record_a_line_per_layout(results):
-    ffn.run(tokens=64, reps=1)
-    dispatch.run(tokens=64, reps=1)
+    ffn.run(LayerBench(tokens=64, reps=1))
+    dispatch.run(LayerBench(tokens=64, reps=1))
     lines = results()
     assert [(r["bench"], r["layout"]) for r in lines] == [
         (b, layout) for b in ("ffn", "dispatch") for layout in ffn.LAYOUTS

@@ -9,6 +9,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -90,8 +91,26 @@ def record(name: str, payload: dict, out: Path | None = None) -> dict:
     return entry
 
 
-def layer_args(name: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
-    """Arguments of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, routing
+@dataclass(frozen=True)
+class LayerBench:
+    """What the layer benchmarks (ffn, dispatch) run: tokens through each layout's FFN, E experts, top-K,
+    timed `reps` rounds, on `device` in `dtype`, with route tables of `strategy`."""
+
+    tokens: int
+    experts: int = 4
+    top_k: int = 2
+    reps: int = 7
+    device: str = "cpu"
+    dtype: str = "float32"
+    strategy: str = "modulo_cyclic"
+
+    def fields(self) -> dict:
+        """The settings every result line records (all but the repetitions, which `timings` holds)."""
+        return {key: value for key, value in asdict(self).items() if key != "reps"}
+
+
+def layer_args(name: str, doc: str | None, argv: list[str] | None) -> LayerBench:
+    """The command line of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, routing
     strategy, with device-dependent defaults filled in."""
     parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
     parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
@@ -105,6 +124,10 @@ def layer_args(name: str, doc: str | None, argv: list[str] | None) -> argparse.N
     )
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
-    args.tokens = args.tokens or (8 * 2048 if gpu else 2 * 2048)
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    return args
+    return LayerBench(
+        tokens=args.tokens or (8 * 2048 if gpu else 2 * 2048),
+        reps=args.reps,
+        device=args.device,
+        dtype=args.dtype or ("bfloat16" if gpu else "float32"),
+        strategy=args.strategy,
+    )

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from trmoe.bench.common import layer_args, paired_ratio, record, time_interleaved
+from trmoe.bench.common import LayerBench, layer_args, paired_ratio, record, time_interleaved
 from trmoe.bench.ffn import layer_cases
 from trmoe.model.moe import grouped_mm, silu_mul, swiglu
 
@@ -41,18 +41,10 @@ def _pregrouped(
     torch.autograd.backward([shared, routed], [grad, grad_rows])
 
 
-def run(
-    tokens: int,
-    experts: int = 4,
-    top_k: int = 2,
-    reps: int = 7,
-    device: str = "cpu",
-    dtype: str = "float32",
-    strategy: str = "modulo_cyclic",
-) -> list[dict]:
-    dev, dt = torch.device(device), getattr(torch, dtype)
+def run(opts: LayerBench) -> list[dict]:
+    dev, dt = torch.device(opts.device), getattr(torch, opts.dtype)
     results = []
-    for name, (hidden, _, _), ffn, x, ids in layer_cases(tokens, experts, top_k, device, dtype, strategy):
+    for name, (hidden, _, _), ffn, x, ids in layer_cases(opts):
         # The rows each group receives, already contiguous: what an ideal (free) dispatch would hand over.
         routed = ffn.routed
         if routed.route_tuples is not None:  # by route tuple: one row per token, K experts side by side
@@ -66,7 +58,7 @@ def run(
         else:  # by expert: one row per (token, route)
             groups, c, weights = (
                 routed.route_table[:, ids].long().reshape(-1),
-                experts,
+                opts.experts,
                 (routed.w_in, routed.w_out),
             )
         ends = torch.bincount(groups, minlength=c).cumsum(0).to(torch.int32)  # as the dispatch makes them
@@ -78,19 +70,14 @@ def run(
             "dispatch": functools.partial(_real, ffn, x, ids, grad),
             "pregrouped": functools.partial(_pregrouped, ffn, x, grouped, ends, weights, grad, grad_rows),
         }
-        timings = time_interleaved(cases, dev, reps=reps)
+        timings = time_interleaved(cases, dev, reps=opts.reps)
         total, ideal = timings["dispatch"]["median_s"], timings["pregrouped"]["median_s"]
         results.append(
             record(
                 "dispatch",
                 {
                     "layout": name,
-                    "device": device,
-                    "dtype": dtype,
-                    "tokens": tokens,
-                    "experts": experts,
-                    "top_k": top_k,
-                    "strategy": strategy,
+                    **opts.fields(),
                     "grouped_by": "route tuple" if routed.route_tuples is not None else "expert",
                     "timings": timings,
                     "overhead_share": (total - ideal) / total,
@@ -102,8 +89,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = layer_args("dispatch", __doc__, argv)
-    for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype, strategy=args.strategy):
+    for r in run(layer_args("dispatch", __doc__, argv)):
         print(
             f"{r['layout']:>14}: dispatch (by {r['grouped_by']}) {r['overhead_share']:.1%} of FFN time "
             f"(by round {r['paired_overhead_share']:.1%})"

@@ -8,10 +8,11 @@ active-width one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 
-from trmoe.bench.common import layer_args, paired_ratio, record, time_interleaved
+from trmoe.bench.common import LayerBench, layer_args, paired_ratio, record, time_interleaved
 from trmoe.config.schema import HardwareConfig
 from trmoe.model.moe import SharedExpert, TRMoEFFN
 from trmoe.train import env
@@ -78,34 +79,26 @@ VOCAB = 200_019
 
 
 def layer_cases(
-    tokens: int, experts: int, top_k: int, device: str, dtype: str, strategy: str = "modulo_cyclic"
-):
+    opts: LayerBench,
+) -> Iterator[tuple[str, tuple[int, int, int], TRMoEFFN, torch.Tensor, torch.Tensor]]:
     """For each layout: (name, (hidden, shared, routed), a TR FFN of those widths, inputs x [tokens, hidden]
-    that take gradients, token ids), on `device` in `dtype`; seeded, so every benchmark sees the same. The
-    process gets the train loop's default hardware settings (deterministic algorithms, host memory reuse)."""
-    dev, dt = torch.device(device), getattr(torch, dtype)
+    that take gradients, token ids), on the device in the dtype of `opts`; seeded, so every benchmark sees
+    the same. The process gets the train loop's default hardware settings (deterministic algorithms, host
+    memory reuse)."""
+    dev, dt = torch.device(opts.device), getattr(torch, opts.dtype)
     env.configure(HardwareConfig(), dev)  # the process as a training run sets it up by default
     torch.manual_seed(0)
     for name, widths in LAYOUTS.items():
-        tr = tr_ffn(*widths, experts, top_k, VOCAB, strategy=strategy).to(dev, dt)
-        x = torch.randn(tokens, widths[0], device=dev, dtype=dt, requires_grad=True)
-        yield name, widths, tr, x, torch.randint(0, VOCAB, (tokens,), device=dev)
+        tr = tr_ffn(*widths, opts.experts, opts.top_k, VOCAB, strategy=opts.strategy).to(dev, dt)
+        x = torch.randn(opts.tokens, widths[0], device=dev, dtype=dt, requires_grad=True)
+        yield name, widths, tr, x, torch.randint(0, VOCAB, (opts.tokens,), device=dev)
 
 
-def run(
-    tokens: int,
-    experts: int = 4,
-    top_k: int = 2,
-    reps: int = 7,
-    device: str = "cpu",
-    dtype: str = "float32",
-    strategy: str = "modulo_cyclic",
-) -> list[dict]:
-    dev, dt = torch.device(device), getattr(torch, dtype)
+def run(opts: LayerBench) -> list[dict]:
+    dev, dt = torch.device(opts.device), getattr(torch, opts.dtype)
     results = []
-    layers = layer_cases(tokens, experts, top_k, device, dtype, strategy)
-    for name, (hidden, shared, routed), tr, x, ids in layers:
-        active = shared + top_k * routed // experts
+    for name, (hidden, shared, routed), tr, x, ids in layer_cases(opts):
+        active = shared + opts.top_k * routed // opts.experts
         dense_stored = _dense(hidden, shared + routed).to(dev, dt)
         dense_active = _dense(hidden, active).to(dev, dt)
 
@@ -115,22 +108,17 @@ def run(
             "dense_stored": functools.partial(_fwd_bwd, dense_stored, x, grad),
             "dense_active": functools.partial(_fwd_bwd, dense_active, x, grad),
         }
-        timings = time_interleaved(cases, dev, reps=reps)
+        timings = time_interleaved(cases, dev, reps=opts.reps)
         tr_s = timings["tr"]["median_s"]
         results.append(
             record(
                 "ffn",
                 {
                     "layout": name,
-                    "device": device,
-                    "dtype": dtype,
-                    "tokens": tokens,
+                    **opts.fields(),
                     "hidden": hidden,
                     "shared_width": shared,
                     "routed_width": routed,
-                    "experts": experts,
-                    "top_k": top_k,
-                    "strategy": strategy,
                     "grouped_by": "route tuple" if tr.routed.route_tuples is not None else "expert",
                     "stored_width": shared + routed,
                     "active_width": active,
@@ -147,8 +135,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = layer_args("ffn", __doc__, argv)
-    for r in run(args.tokens, reps=args.reps, device=args.device, dtype=args.dtype, strategy=args.strategy):
+    for r in run(layer_args("ffn", __doc__, argv)):
         stored, active = r["paired_ratio_vs_dense_stored"], r["paired_ratio_vs_dense_active"]
         print(
             f"{r['layout']:>14}: TR {r['timings']['tr']['median_s'] * 1e3:7.2f} ms | "
