@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~5 minutes on
-# one H200; each part has its own time limit, the most important first). Log and results: ${OUT:-bench/gpu_out}.
+# The whole GPU check in one script, for a lent CUDA machine (run from the repository root; ~6 minutes on
+# one H200; each part has its own time limit, the most important first, so a run cut short still brings back
+# what matters most). Log and results: ${OUT:-bench/gpu_out}.
 #   1. the CUDA tests: no host sync in the routed FFN's forward, grouped GEMM == per-expert loop, liger loss,
 #      the model under autocast compiles to one graph (torch.compile fullgraph);
-#   2. benchmarks in bf16: ffn (rows grouped by route tuple, the default, and by expert) and dispatch at
-#      8 x 2048 tokens, the loss backends' memory at 4k-32k tokens,
-#      and training steps of 100m and 300m (eager; 300m with liger and with torch.compile) with MFU against the
-#      datasheet bf16 peak (and the bf16 GEMM peak measured in the same run);
-#   3. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back.
+#   2. ffn in bf16 at 8 x 2048 tokens, eager and through torch.compile (rows grouped by route tuple);
+#   3. training steps with MFU against the datasheet bf16 peak: the 300m target configuration (liger loss,
+#      torch.compile) at micro-batch 32 x 2048, then 100m and 300m eager and 300m compiled at 8 x 2048;
+#   4. ffn grouped by expert, dispatch, the loss backends' memory at 4k-32k tokens;
+#   5. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back.
 # Packages the machine lacks (hydra-core, omegaconf, liger-kernel, ...) are taken from PYTHONPATH.
 set -uo pipefail
 OUT=${OUT:-bench/gpu_out}
@@ -23,16 +24,17 @@ step() { echo; echo "== $* ($(date +%T))"; }
   timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_loss_backends.py tests/test_model.py
   step ffn
   timeout 60 $PY -m trmoe.bench ffn
-  timeout 60 $PY -m trmoe.bench ffn --strategy random
-  step "train steps, eager (loss=chunked, then loss=liger)"
+  timeout 120 $PY -m trmoe.bench ffn --compile
+  step "train step, the target: 300m, loss=liger, torch.compile, micro-batch 32"
+  timeout 180 $PY -m trmoe.bench step --model 300m --steps 5 --batch 32 --compile loss=liger
+  step "train steps, eager (loss=chunked), then 300m with torch.compile"
   timeout 120 $PY -m trmoe.bench step --model 100m 300m --steps 5
-  timeout 90 $PY -m trmoe.bench step --model 300m --steps 5 loss=liger
-  step "train steps, torch.compile (loss=chunked)"
   timeout 150 $PY -m trmoe.bench step --model 300m --steps 5 --compile
+  step "ffn grouped by expert, dispatch"
+  timeout 60 $PY -m trmoe.bench ffn --strategy random
+  timeout 45 $PY -m trmoe.bench dispatch
   step loss
   timeout 75 $PY -m trmoe.bench loss --tokens 4096 16384 32768 --kinds chunked liger torch full --max-gb 60
-  step dispatch
-  timeout 45 $PY -m trmoe.bench dispatch
   step "end-to-end training run"
   TRMOE_RUN_DIR=/tmp/trmoe_gpu_run timeout 90 $PY -m trmoe.train model=tiny hardware=cuda loss=auto \
     trainer.steps=60 trainer.micro_batch=16 trainer.seq_len=512 trainer.eval_every=30 run.progress=log

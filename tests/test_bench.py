@@ -4,12 +4,13 @@ asserted, only that each result line is complete and its ratios are the ratios o
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from trmoe.bench import dispatch, ffn, step
-from trmoe.bench.common import LayerBench
+from trmoe.bench.common import LayerBench, layer_args
 
 
 @pytest.fixture
@@ -41,6 +42,22 @@ def test_ffn_and_dispatch_record_a_line_per_layout(results):
         assert r["paired_ratio_vs_dense_active"] == pytest.approx(r["ratio_vs_dense_active"])
         assert t["tr"]["samples_s"] == [t["tr"]["median_s"]]
         assert r["active_width"] == r["shared_width"] + r["top_k"] * r["routed_width"] // r["experts"]
+
+
+def test_only_ffn_takes_compile(capsys):
+    assert layer_args("ffn", None, ["--compile"], compiles=True).compile
+    assert not layer_args("ffn", None, [], compiles=True).compile
+    with pytest.raises(SystemExit) as stop:
+        layer_args("dispatch", None, ["--compile"])
+    assert stop.value.code == 2 and "unrecognized arguments: --compile" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.environ.get("TRMOE_SLOW_TESTS"), reason="inductor on CPU compiles for ~1.5 min")
+def test_ffn_compiled_records_its_timings(results):
+    ffn.run(LayerBench(tokens=64, reps=1, dtype="bfloat16", compile=True))
+    lines = results()
+    assert [r["layout"] for r in lines] == list(ffn.LAYOUTS)
+    assert all(r["compile"] and set(r["timings"]) == {"tr", "dense_stored", "dense_active"} for r in lines)
 
 
 def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):

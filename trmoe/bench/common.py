@@ -94,7 +94,8 @@ def record(name: str, payload: dict, out: Path | None = None) -> dict:
 @dataclass(frozen=True)
 class LayerBench:
     """What the layer benchmarks (ffn, dispatch) run: tokens through each layout's FFN, E experts, top-K,
-    timed `reps` rounds, on `device` in `dtype`, with route tables of `strategy`."""
+    timed `reps` rounds, on `device` in `dtype`, with route tables of `strategy`; `compile` (ffn only): every
+    layer through `torch.compile`, as `trainer.compile=true` trains."""
 
     tokens: int
     experts: int = 4
@@ -103,15 +104,16 @@ class LayerBench:
     device: str = "cpu"
     dtype: str = "float32"
     strategy: str = "modulo_cyclic"
+    compile: bool = False
 
     def fields(self) -> dict:
         """The settings every result line records (all but the repetitions, which `timings` holds)."""
         return {key: value for key, value in asdict(self).items() if key != "reps"}
 
 
-def layer_args(name: str, doc: str | None, argv: list[str] | None) -> LayerBench:
+def layer_args(name: str, doc: str | None, argv: list[str] | None, *, compiles: bool = False) -> LayerBench:
     """The command line of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, routing
-    strategy, with device-dependent defaults filled in."""
+    strategy (and `--compile` where the benchmark `compiles`), with device-dependent defaults filled in."""
     parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
     parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +124,10 @@ def layer_args(name: str, doc: str | None, argv: list[str] | None) -> LayerBench
         default="modulo_cyclic",
         help="route tables (the default's E tuples group rows by tuple; hashed ones, e.g. random, by expert)",
     )
+    if compiles:
+        parser.add_argument(
+            "--compile", action="store_true", help="time every layer through torch.compile (default: eager)"
+        )
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     return LayerBench(
@@ -130,4 +136,5 @@ def layer_args(name: str, doc: str | None, argv: list[str] | None) -> LayerBench
         device=args.device,
         dtype=args.dtype or ("bfloat16" if gpu else "float32"),
         strategy=args.strategy,
+        compile=getattr(args, "compile", False),
     )

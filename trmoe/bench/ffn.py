@@ -2,7 +2,9 @@
 
 The widths are the 100m profile's, the matched pilot's (TR-GQA vs dense 1,648) and the routing ablations'
 (panel A: 768 + 4 x 192). Target: TR time <= 1.0x the stored-width dense layer and <= 1.10x the
-active-width one.
+active-width one. `--compile` times all three through `torch.compile` (inductor), as training with
+`trainer.compile=true` runs them: on a GPU that fuses the small elementwise kernels these launch-bound layers
+spend much of their time in.
 """
 
 from __future__ import annotations
@@ -103,10 +105,12 @@ def run(opts: LayerBench) -> list[dict]:
         dense_active = _dense(hidden, active).to(dev, dt)
 
         grad = torch.randn_like(x).detach()
+        layers = {"tr": tr, "dense_stored": dense_stored, "dense_active": dense_active}
+        if opts.compile:  # compiled on the first of the warm-up calls, which are not timed
+            layers = {case: torch.compile(layer) for case, layer in layers.items()}
         cases = {
-            "tr": functools.partial(_fwd_bwd, tr, x, grad, ids),
-            "dense_stored": functools.partial(_fwd_bwd, dense_stored, x, grad),
-            "dense_active": functools.partial(_fwd_bwd, dense_active, x, grad),
+            case: functools.partial(_fwd_bwd, layer, x, grad, *([ids] if case == "tr" else []))
+            for case, layer in layers.items()
         }
         timings = time_interleaved(cases, dev, reps=opts.reps)
         tr_s = timings["tr"]["median_s"]
@@ -135,7 +139,7 @@ def run(opts: LayerBench) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    for r in run(layer_args("ffn", __doc__, argv)):
+    for r in run(layer_args("ffn", __doc__, argv, compiles=True)):
         stored, active = r["paired_ratio_vs_dense_stored"], r["paired_ratio_vs_dense_active"]
         print(
             f"{r['layout']:>14}: TR {r['timings']['tr']['median_s'] * 1e3:7.2f} ms | "
