@@ -16,6 +16,7 @@ from trmoe.model.routing import (
     layer_salt,
     mix32,
     route_counts,
+    tuple_grouping,
 )
 
 V_REAL = 200_019  # the o200k vocabulary size used by the models
@@ -322,3 +323,22 @@ def test_bad_arguments_raise(strategy, kwargs, fragment):
     with pytest.raises(ValueError) as info:
         build_route_table(strategy, **args)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "experts, top_k",
+    [(4, 2), (8, 1), (32, 12), (32, 13), (64, 16)],  # E**K from 16 to 2**96: past 2**63 the rows are compared
+)
+def test_tuple_grouping_reproduces_the_table(experts, top_k):
+    table = build_route_table("modulo_cyclic", 1_000, experts, top_k, 3, seed=0, hash_count=2)
+    tuples, tuple_of = tuple_grouping(table, experts)
+    assert tuples.shape == (experts, top_k) and tuple_of.dtype == table.dtype
+    assert torch.equal(tuples[tuple_of.long()].T, table.long())
+    assert torch.equal(tuples, torch.unique(tuples, dim=0))  # sorted, each tuple once
+
+
+def test_tuple_grouping_declines_more_tuples_than_experts():
+    table = build_route_table("random", 1_000, 4, 2, 0, seed=0, hash_count=2)
+    assert tuple_grouping(table, 4) is None
+    wide = build_route_table("random", 1_000, 64, 16, 0, seed=0, hash_count=2)
+    assert tuple_grouping(wide, 64) is None

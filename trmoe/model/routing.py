@@ -309,15 +309,19 @@ def tuple_grouping(table: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     ``[vocab_size]`` the index of each token id's tuple, in the table's dtype. modulo_cyclic tables have
     exactly E tuples, any table at K = 1 at most E; hashed ones up to E!/(E-K)!."""
     ids = table.to(torch.int64)
+    top_k = ids.shape[0]
+    if num_experts**top_k > torch.iinfo(torch.int64).max:  # the codes below would wrap: rows, exactly
+        tuples, tuple_of = torch.unique(ids.T, dim=0, return_inverse=True)  # rows sorted as the codes are
+        return (tuples, tuple_of.to(table.dtype)) if tuples.shape[0] <= num_experts else None
     # each tuple as one integer, r_0 its most significant base-E digit: a 1-D unique takes ~0.02 s for a
     # 200k-token table where a unique over rows took 0.42 s, and this runs for every layer of a new model
     code = torch.zeros_like(ids[0])
-    for k in range(ids.shape[0]):
+    for k in range(top_k):
         code = code * num_experts + ids[k]
     codes, tuple_of = torch.unique(code, return_inverse=True)
     if codes.shape[0] > num_experts:
         return None
-    digits = [codes // num_experts**p % num_experts for p in range(ids.shape[0] - 1, -1, -1)]
+    digits = [codes // num_experts**p % num_experts for p in range(top_k - 1, -1, -1)]
     return torch.stack(digits, dim=1), tuple_of.to(table.dtype)
 
 
