@@ -42,6 +42,15 @@ def test_active_parameters_formula_and_real_model_agree():
     assert counts.total - counts.active == idle
 
 
+@pytest.mark.parametrize("branch", ["model.shared_width=0", "model.routed_width=0"])
+def test_gates_exist_only_between_two_branches(branch):
+    """docs/architecture.md: 2 gates per layer with both branches, none with one (as the reference)."""
+    both = TRMoETransformer(model_spec(to_config(compose_config("model.gates=true"))))
+    one = TRMoETransformer(model_spec(to_config(compose_config("model.gates=true", branch))))
+    gates = lambda model: sorted(n.split(".")[-1] for n, p in model.named_parameters() if p.ndim == 0)  # noqa: E731
+    assert gates(both) == sorted(["routed_gate", "shared_gate"] * both.spec.num_layers) and gates(one) == []
+
+
 def test_vocab_padding_rounds_the_embedding_only():
     spec = model_spec(to_config(compose_config("model.vocab_pad_multiple=64")))
     assert spec.embedding_rows == 200_064 and spec.vocab_size == 200_019

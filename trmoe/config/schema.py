@@ -141,7 +141,7 @@ class ModelConfig:
     shared_width: int = MISSING  # width of the always-on shared SwiGLU expert; 0 = no shared expert
     routed_width: int = MISSING  # total stored width of the routed experts; each expert has routed_width / E
     num_experts: int = 4  # E; E=1 with routing.top_k=1 is the dense SwiGLU control of width shared+routed
-    gates: bool = True  # learnable scalar gates g_s, g_r on the shared and routed branches
+    gates: bool = True  # learnable scalar gates g_s, g_r on the shared and routed branches (when both exist)
     shared_gate_init: float = 1.0  # initial value of g_s
     routed_gate_init: float = 1.0  # initial value of g_r
     shared_gate_final: float | None = None  # if set, g_s is not learned: ramps shared_gate_init -> this

@@ -331,12 +331,11 @@ class TRMoEFFN(nn.Module):
                 seed,
                 hash_count,
             )
-        self.shared_gate = (
-            nn.Parameter(torch.tensor(float(shared_gate_init))) if gates and self.shared else None
-        )
-        self.routed_gate = (
-            nn.Parameter(torch.tensor(float(routed_gate_init))) if gates and self.routed else None
-        )
+        # the gates weigh the two branches against each other: with one branch there is nothing to weigh (a
+        # lone gate would only rescale what the branch's output weight already can; the reference has none)
+        gated = gates and self.shared is not None and self.routed is not None
+        self.shared_gate = nn.Parameter(torch.tensor(float(shared_gate_init))) if gated else None
+        self.routed_gate = nn.Parameter(torch.tensor(float(routed_gate_init))) if gated else None
         self.shared_scale, self.routed_scale = shared_scale, routed_scale  # fixed, not trained
         # The routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of their
         # own, no extra add: ~2% of a panel-A FFN on CPU). Expert telemetry turns it off, to see the routed
