@@ -379,3 +379,20 @@ def test_report_plots_expert_shares_when_telemetry_was_on(tmp_path):
     shares = tmp_path / "runs" / "plots" / "shares_telemetry.png"
     assert shares in rep.plots and shares.read_bytes()[:4] == b"\x89PNG"
     assert "[shares_telemetry](plots/shares_telemetry.png)" in rep.markdown
+
+
+def test_report_mfu_is_per_device_of_a_multi_device_job(tmp_path):
+    from trmoe.report.runs import load_runs
+    from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, flops_per_token, summarize
+    from trmoe.train.loop import train
+
+    steps = THROUGHPUT_WARMUP_STEPS + 3  # rows past the warm-up, which the throughput median reads
+    tiny = [o for o in TINY_RUN if not o.startswith("trainer.steps=")]
+    train(
+        compose_config("data=random", "model.vocab_size=512", *tiny, f"trainer.steps={steps}"), tmp_path / "r"
+    )
+    (run,) = load_runs([tmp_path / "r"])
+    one = summarize(run, peak_override=1e12)
+    assert one.mfu == pytest.approx(one.median_tok_s * flops_per_token(run) / 1e12) and one.mfu > 0
+    run.record["world_size"] = 4  # the same tok/s from 4 devices: each did a quarter of the work
+    assert summarize(run, peak_override=1e12).mfu == pytest.approx(one.mfu / 4)
