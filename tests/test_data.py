@@ -182,6 +182,23 @@ def test_text_crlf_blank_lines(tmp_path):
     assert [t for _, t in text_file_documents(path)] == ["alpha\r\nbeta", "gamma", "delta"]
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"First paragraph.\r\r\n\r\r\nSecond paragraph.\r\r\n",  # CRLF converted twice
+        b"a\r\nb\r\n\r\nc\n \t\r\n\nd\r\n\re\n\x0c\nf \n\n\n",
+        b"\xef\xbb\xbfbom first\n\nlast line without break",
+    ],
+)
+def test_text_splits_documents_as_prepare_does(tmp_path, raw):
+    """docs/data.md: `prepare` splits a text file into the documents data=text reads from it."""
+    from trmoe.data.prepare import text_documents
+
+    path = tmp_path / "docs.txt"
+    path.write_bytes(raw)
+    assert [t for _, t in text_file_documents(path)] == [t for t, _ in text_documents(path, None)]
+
+
 def test_text_custom_separator(tmp_path):
     path = tmp_path / "sep.txt"
     path.write_text("one\n\nstill one<SEP>two<SEP>  <SEP>\nthree\n", encoding="utf-8")

@@ -24,8 +24,10 @@ SOURCES = ("embedded", "text")
 _BUCKETS = 1_000_000
 SPLIT_RULE = "eval iff int(sha256(f'{split_seed}:{text}')) % 1000000 < eval_fraction * 1000000"
 
-# A line break followed by one or more empty / whitespace-only lines (each ending in a line break).
-_BLANK_LINES = re.compile(r"\r?\n(?:[^\S\r\n]*\r?\n)+")
+# A line break followed by one or more empty / whitespace-only lines (each ending in a line break; a \r is
+# whitespace like any other, so CRLF and doubled "\r\r\n" endings split as `prepare` splits them: a line
+# is blank when it strips to nothing). The pieces are stripped, which takes the \r before a break too.
+_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")
 
 
 @dataclass
