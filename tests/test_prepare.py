@@ -140,6 +140,11 @@ def _no_output(out: Path) -> None:
         ),
         ("bad.jsonl", b'{"text": "fine"}\n{"text": broken\n', "line 2 is not valid JSON"),
         ("field.jsonl", b'{"body": "no text field"}\n', "line 1 has no field 'text'"),
+        (
+            "half.jsonl",
+            b'{"text": "ok"}\n{"text": "caf\\u00e9 \\ud800"}\n',
+            "line 2: field 'text' holds an unpaired",
+        ),
         ("bad.parquet", b"PAR1 this is not parquet", "unreadable"),
     ],
 )

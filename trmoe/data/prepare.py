@@ -154,6 +154,14 @@ def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
                     f"jsonl file {path}: line {lineno}: field {text_field!r} is a {type(text).__name__}, "
                     "not a string"
                 )
+            if text and not text.isascii():
+                try:  # JSON can escape half a surrogate pair ("\ud800"), which no UTF-8 text holds
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise UserError(
+                        f"jsonl file {path}: line {lineno}: field {text_field!r} holds an unpaired surrogate "
+                        f"{text[exc.start]!r} at character {exc.start}: not Unicode text"
+                    ) from None
             if text:
                 yield text, offset
 
