@@ -356,7 +356,9 @@ def test_a_crash_during_training_leaves_a_failed_status(tmp_path, monkeypatch):
 
 
 def test_paired_interval_is_the_student_t_interval():
-    assert t975(1) == 12.706 and t975(30) == 2.042 and abs(t975(60) - 2.000) < 2e-3
+    assert t975(1) == 12.706 and t975(30) == 2.042
+    for df, quantile in ((31, 2.039513), (40, 2.021075), (60, 2.000298), (120, 1.979930)):  # t tables
+        assert t975(df) == pytest.approx(quantile, abs=5e-6)
     pair = Pair(arm=None, seeds=[1, 2, 3], deltas=[-0.019, -0.020, -0.021], arm_mean=None, control_mean=None)
     low, high = pair.interval
     half = 4.303 * 0.001 / math.sqrt(3)  # t(2) x sd / sqrt(n)
@@ -396,3 +398,22 @@ def test_report_mfu_is_per_device_of_a_multi_device_job(tmp_path):
     assert one.mfu == pytest.approx(one.median_tok_s * flops_per_token(run) / 1e12) and one.mfu > 0
     run.record["world_size"] = 4  # the same tok/s from 4 devices: each did a quarter of the work
     assert summarize(run, peak_override=1e12).mfu == pytest.approx(one.mfu / 4)
+
+
+def test_a_sweep_over_seeds_only_is_one_arm(tmp_path):
+    """Each launch is an arm when nothing but the seed was swept: two launches of two seeds each, two arms,
+    paired seed by seed (not four one-run arms with disjoint seed sets)."""
+    for name, routing in (("mc", "modulo_cyclic"), ("rnd", "random")):
+        result = run_cli(
+            ["-m", f"routing={routing}", *TINY_RUN, "trainer.seed=1,2", f"hydra.sweep.dir=sweeps/{name}"],
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    one = (tmp_path / "sweeps" / "mc" / "report.md").read_text()
+    assert "2 runs (2 finished) in 1 arm;" in one and "| 0 | mc | 1 | finished |" in one
+    report = _run_module("trmoe.report", ["sweeps", "--control", "mc", "--no-plots"], tmp_path)
+    assert report.returncode == 0, report.stderr
+    with open(tmp_path / "sweeps" / "report_pairs.csv", newline="") as f:
+        (pair,) = list(csv.DictReader(f))
+    assert (pair["arm"], pair["control"], pair["n_seeds"]) == ("rnd", "mc", "2")
+    assert "Seed set differs" not in (tmp_path / "sweeps" / "report.md").read_text()

@@ -40,6 +40,10 @@ class Report:
     markdown: str = ""
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -81,7 +85,7 @@ def render_markdown(rep: Report, title: str) -> str:
     lines = [
         f"# Report: {title}",
         "",
-        f"{len(runs)} runs ({finished} finished) in {len(arms)} arms; swept keys: "
+        f"{_count(len(runs), 'run')} ({finished} finished) in {_count(len(arms), 'arm')}; swept keys: "
         + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
         + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; {rep.control_note}.",
         f"Written by `python -m trmoe.report` on {time.strftime('%Y-%m-%d %H:%M')}.",
