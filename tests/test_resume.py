@@ -422,14 +422,27 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
         _train_in_process(run_dir, *SMALL, "model.shared_width=128", "trainer.force_resume=true")
     assert _tree_digest(run_dir) == before
     _train_in_process(
-        run_dir, *SMALL, "trainer.steps=6", "optimizer.decay_steps=4", "trainer.force_resume=true"
+        run_dir,
+        *SMALL,
+        "trainer.steps=6",
+        "optimizer.decay_steps=4",
+        "optimizer.lr=6e-3",
+        "optimizer.weight_decay=0.5",
+        "trainer.force_resume=true",
     )
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["force_resumed"] is True
     forced = rc["resumes"][-1]["forced"]
-    assert forced["optimizer.decay_steps"] == [None, 4]
-    assert load_checkpoint(run_dir)["step"] == 6
+    assert forced["optimizer.decay_steps"] == [None, 4] and forced["optimizer.lr"] == [0.003, 0.006]
+    state = load_checkpoint(run_dir)
+    assert state["step"] == 6
     assert [int(r["step"]) for r in _rows(run_dir)] == [0, 1, 2, 3, 4, 5, 6]
+    # the forced values are what trained steps 5 and 6 (not the checkpoint's), as run_config.json says
+    groups = state["optimizer"]["param_groups"]
+    assert {g["base_lr"] for g in groups} == {6e-3} and {g["weight_decay"] for g in groups} == {0.0, 0.5}
+    assert {g["base_lr"] for g in rc["controls"]["optimizer_groups"]} == {6e-3}
+    floor = 6e-3 * rc["config"]["optimizer"]["min_lr_ratio"]  # past decay_steps=4: 6e-4, not 3e-4
+    assert [float(r["lr"]) for r in _rows(run_dir)[5:]] == pytest.approx([floor, floor])
 
 
 # ------------------------------------------------------------------------------ the run directory

@@ -173,6 +173,29 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return list(inner.values()) if isinstance(inner, dict) else [optimizer]
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _shard_like_params(optimizer) -> None:
+    """After loading a full (single-process) optimizer state into an FSDP run: each state tensor of a
+    parameter's shape becomes this rank's shard of it, placed as the parameter is. Without FSDP: nothing."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for opt in _optimizers(optimizer):
+        for param, state in opt.state.items():
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in state.items():
+                if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    # every rank holds the whole tensor: each keeps its own part, nothing is sent
+                    state[key] = distribute_tensor(
+                        value, param.device_mesh, param.placements, src_data_rank=None
+                    )
+
+
 @contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns on every save/load without a process group ("assuming ... a single process"): expected."""
@@ -383,13 +406,24 @@ class CheckpointStore:
     def load(
         self, info: CheckpointInfo, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
-        """Load model and optimizer in place; return this rank's local state. Expects a verified `info`."""
+        """Load model and optimizer in place; return this rank's local state. Expects a verified `info`.
+        The optimizer takes its state (moments, step counts) from the checkpoint and keeps the
+        hyper-parameters this run's config set (base_lr, weight decay, betas, ...): they are the same unless
+        trainer.force_resume let one change, and then the change must apply, as run_config.json records."""
         device = next(model.parameters()).device
+        groups = optimizer.param_groups if optimizer is not None else []
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         if info.meta.get("format", "torch") == "torch":
             state = torch.load(info.path / TORCH_PAYLOAD, map_location=device, weights_only=True)
-            model.load_state_dict(state["model"], strict=True)
+            if _sharded(model):  # one process wrote it, an FSDP run goes on: each rank keeps its shards
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+            else:
+                model.load_state_dict(state["model"], strict=True)
             if optimizer is not None:
                 optimizer.load_state_dict(state["optimizer"])
+                _shard_like_params(optimizer)
         else:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -399,6 +433,9 @@ class CheckpointStore:
             with _single_process_quiet():
                 dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(info.path))
             set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
+        if optimizer is not None:
+            for group, values in zip(optimizer.param_groups, hyper, strict=True):
+                group.update(values)
         return load_local_state(info, self.rank)
 
 

@@ -142,6 +142,18 @@ def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
     return list(stacked.unbind())
 
 
+def window_totals(window) -> dict[str, float | int]:
+    """The metrics window summed over ranks (one all-reduce when distributed): what a checkpoint keeps for a
+    resume with another number of ranks, whose own shares of the window would not add up to it."""
+    ce, objective, tokens = all_reduce_sum(window.ce, window.objective, torch.tensor(float(window.tokens)))
+    return {
+        "ce": float(ce),
+        "objective": float(objective),
+        "tokens": int(tokens),
+        "world_size": dist.get_world_size() if active() else 1,
+    }
+
+
 def attach_rank_log(run_dir: Path, rank: int) -> logging.Handler:
     """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console. Returns the file handler
     (the caller removes it at the end of the job)."""

@@ -275,6 +275,7 @@ def _train(
             next_sample=step * samples_per_step,
             data=data,
             window=window,
+            window_totals=distributed.window_totals(window),
             guard=guard,
             train_time=train_time,
             eval_loss=eval_loss,
@@ -309,7 +310,9 @@ def _train(
         carry = guard.rollback_carry(step)
         state = store.load(target, model=model, optimizer=optimizer)
         optimizer.zero_grad(set_to_none=True)
-        resume.restore(state, data=data, window=window, guard=guard, load_data=True)
+        resume.restore(
+            state, data=data, window=window, guard=guard, load_data=True, rank=rank, world_size=world_size
+        )
         guard.apply_carry(carry)
         metrics.rewind(target.step)
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], target.step
@@ -326,7 +329,9 @@ def _train(
 
     if plan.mode == "resume":
         state = store.load(plan.checkpoint, model=model, optimizer=optimizer)
-        resume.restore(state, data=data, window=window, guard=guard, load_data=False)  # data: in check_data
+        resume.restore(  # data: in check_data
+            state, data=data, window=window, guard=guard, load_data=False, rank=rank, world_size=world_size
+        )
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
         log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)
     else:

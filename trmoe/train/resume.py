@@ -205,9 +205,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def capture(
-    *, step: int, tokens: int, next_sample: int, data, window, guard, train_time: float, eval_loss: float
+    *,
+    step: int,
+    tokens: int,
+    next_sample: int,
+    data,
+    window,
+    window_totals: dict[str, Any],
+    guard,
+    train_time: float,
+    eval_loss: float,
 ) -> dict[str, Any]:
-    """This rank's part of a checkpoint besides model and optimizer."""
+    """This rank's part of a checkpoint besides model and optimizer. `window_totals`: the metrics window
+    summed over ranks (distributed.window_totals)."""
     return {
         "version": STATE_VERSION,
         "step": step,
@@ -216,18 +226,32 @@ def capture(
         "data": data.state_dict() if hasattr(data, "state_dict") else None,
         "rng": rng_state(),
         "window": window.state_dict(),
+        "window_totals": window_totals,
         "guard": guard.state_dict(),
         "train_time": train_time,
         "eval_loss": eval_loss,
     }
 
 
-def restore(state: dict[str, Any], *, data, window, guard, load_data: bool) -> None:
+def restore(
+    state: dict[str, Any], *, data, window, guard, load_data: bool, rank: int = 0, world_size: int = 1
+) -> None:
     if state.get("version") != STATE_VERSION:
         raise CheckpointError(f"train state version {state.get('version')}; this trmoe reads {STATE_VERSION}")
     if load_data and state.get("data") is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(state["data"])
-    window.load_state_dict(state["window"])
+    totals = state.get("window_totals")
+    if totals is None or totals["world_size"] == world_size:
+        window.load_state_dict(state["window"])  # this rank's own share, as it was
+    else:  # another number of ranks: the window's sums on rank 0, its tokens shared out as a step shares them
+        window.load_state_dict(
+            {
+                "ce": totals["ce"] if rank == 0 else 0.0,
+                "objective": totals["objective"] if rank == 0 else 0.0,
+                "tokens": totals["tokens"] // world_size,
+                "time": state["window"]["time"],
+            }
+        )
     guard.load_state_dict(state["guard"])
     set_rng_state(state["rng"])  # last: nothing after it may draw
 
