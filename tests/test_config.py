@@ -87,6 +87,18 @@ CROSS_FIELD_ERRORS = [
     (["data.eval_fraction=0"], "data.eval_fraction=0"),
     (["loss.label_smoothing=1.0"], "loss.label_smoothing=1.0"),
     (["trainer.steps=0"], "trainer.steps=0"),
+    # NaN passes every `x <= 0` test and inf trains to NaN: every float must be finite
+    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number"),
+    (["model.init_std=inf"], "model.init_std=inf"),
+    (["guard.spike_factor=nan"], "guard.spike_factor=nan"),
+    (["trainer.seed=-1"], "trainer.seed=-1"),
+    (["attention.rope_theta=0"], "attention.rope_theta=0.0"),
+    # a data path the chosen source never reads (the run would silently train on the default corpus)
+    (["data.text_path=corpus.txt"], "data.text_path=corpus.txt: only used by data=text"),
+    (["data.path=shards"], "data.path=shards: only used by data=tokens, data=fineweb"),
+    # `+key=value` adds a key even to a structured config; converting it would silently drop it
+    (["+trainer.stepz=3"], "trainer.stepz: trainer has no such key; did you mean steps?"),
+    (["+foo=bar"], "foo: the config has no such key"),
 ]
 
 
@@ -121,12 +133,24 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["model.hiden_size=8"], "hiden_size"), (["routing=nope"], "nope"), (["attention.kind=mla"], "mla")],
+    [
+        (["model.hiden_size=8"], "Key 'hiden_size' not in 'ModelConfig'"),
+        (["routing=nope"], "Could not find 'routing/nope'; allowed: affine_hash, balanced_hash,"),
+        (["attention.kind=mla"], "mla"),
+        (["trainer.steps=abc"], "trainer.steps=abc"),
+        # grids are not optional: a misspelt one must not silently run the default single job
+        (["experiment=routing_ablation_smok"], "allowed: attention_matched, attention_matched_smoke,"),
+        (["arm=topk/nope"], "Could not find 'arm/topk/nope'"),
+        # every job of a sweep composes before Hydra writes the sweep directory
+        (["--multirun", "routing=modulo_cyclic,balanced_hashh"], "[sweep job 1: routing=balanced_hashh]"),
+        (["experiment=topk_smoke", "trainer.steps=1,x"], "trainer.steps=x"),
+    ],
 )
-def test_cli_composition_errors_exit_2_naming_the_key(tmp_path: Path, args, needle):
+def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needle):
     result = run_cli(args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
-    assert needle in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trmoe: config error: ") and needle in lines[0], lines
     assert "Traceback" not in result.stderr
     assert list(tmp_path.rglob("*")) == []
 

@@ -23,29 +23,16 @@ from trmoe.errors import UserError
 
 
 def expand_arms(overrides: list[str], arms: list[str]) -> list[list[str]]:
-    """The override list of every arm, in launch order (the basic sweeper's cartesian product)."""
-    from hydra import compose, initialize_config_module
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """The override list of every arm, in launch order (the basic sweeper's cartesian product), each
+    extended by every --arm."""
+    from trmoe.config.sweep import sweep_jobs
 
-    import trmoe.config.schema  # noqa: F401  (registers the schemas)
-
-    parser = OverridesParser.create()
     try:
-        parsed = parser.parse_overrides(overrides)
-    except Exception as e:
-        raise UserError(f"match: bad override: {str(e).splitlines()[0]}") from None
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    try:
-        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-            cfg = compose("config", overrides=fixed, return_hydra_config=True)
-    except Exception as e:
-        raise UserError(f"match: {str(e).splitlines()[0]}") from None
-    params = cfg.hydra.sweeper.params or {}
-    lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
-    jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
+        jobs, _ = sweep_jobs(overrides)
+    except UserError as e:
+        raise UserError(f"match: {e}") from None
     if not arms:
-        return [list(job) for job in jobs]
+        return jobs
     return [[*job, *arm.split()] for job in jobs for arm in arms]
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Iterator
+
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -12,9 +16,47 @@ from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec
 
 
+def compose_error(e: Exception) -> str:
+    """One line from a Hydra composition error (unknown key, bad value, missing group option, bad syntax)."""
+    from hydra.errors import MissingConfigException
+
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    head = lines[0] if lines else type(e).__name__
+    if isinstance(e, MissingConfigException):  # a group option that does not exist
+        options = [o for o in e.options or [] if not o.startswith("base_")]
+        return f"config error: {head}" + (f"; allowed: {', '.join(options)}" if options else "")
+    cause = e.__cause__
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    if not detail and len(lines) > 1 and not lines[1].startswith(("To append", "See ")):
+        detail = lines[1]
+    return f"config error: {head}" + (f" ({detail})" if detail and detail not in head else "")
+
+
+def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, list[str]]]:
+    """(dotted key, the keys its section has) for each key the schema does not define: Hydra's `+key=value`
+    adds one even to a structured config, and converting to the dataclasses would silently drop it."""
+    schema = OmegaConf.get_type(node)
+    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        if known is not None and key not in known:
+            yield f"{prefix}{key}", known
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            yield from _unknown_keys(child, f"{prefix}{key}.")
+
+
 def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, convert to the dataclass tree, run the cross-field checks and solve the
     parameter match (model.match_params), writing the solved width back into cfg as well."""
+    for key, known in _unknown_keys(cfg):
+        section = key.rpartition(".")[0] or "the config"
+        close = difflib.get_close_matches(key.rpartition(".")[2], known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UserError(
+            f"config error: {key}: {section} has no such key; {hint}allowed: {', '.join(known)} "
+            "(docs/configuration.md)"
+        )
     try:
         config = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:

@@ -4,6 +4,9 @@ its value and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from trmoe.config.schema import (
     AttentionKind,
     Config,
@@ -28,6 +31,16 @@ def _positive(section: object, prefix: str, *names: str) -> None:
             _fail(f"{prefix}.{name}", value, "must be a positive integer")
 
 
+def _finite(node: object, prefix: str) -> None:
+    """Every float of the config is a finite number: NaN passes any `x <= 0` test, and inf trains to NaN."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _finite(value, f"{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            _fail(f"{prefix}{f.name}", value, "must be a finite number")
+
+
 def kv_heads(cfg: Config) -> int:
     """Key/value heads actually used: gqa takes model.num_kv_heads, mha one per query head, mqa one."""
     kind = cfg.attention.kind
@@ -48,6 +61,7 @@ def validate(cfg: Config) -> None:
         cfg.loss,
         cfg.hardware,
     )
+    _finite(cfg, "")
 
     _positive(m, "model", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
     _positive(m, "model", "num_experts", "vocab_pad_multiple")
@@ -102,6 +116,10 @@ def validate(cfg: Config) -> None:
     _positive(t, "trainer", "steps", "micro_batch", "seq_len", "grad_accum", "log_every", "eval_batches")
     if t.seq_len > m.max_seq_len:
         _fail("trainer.seq_len", t.seq_len, f"must be <= model.max_seq_len={m.max_seq_len} (the RoPE range)")
+    if not 0 <= t.seed < 2**32:
+        _fail("trainer.seed", t.seed, "must be in [0, 2**32) (it seeds numpy too)")
+    if cfg.attention.rope_theta <= 1:
+        _fail("attention.rope_theta", cfg.attention.rope_theta, "must be > 1 (the RoPE base, e.g. 10000)")
     if t.eval_every < 0:
         _fail("trainer.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
     if t.grad_clip < 0:
@@ -128,6 +146,8 @@ def validate(cfg: Config) -> None:
 
     if not 0.0 < d.eval_fraction < 1.0:
         _fail("data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
+    if d.text_path and d.source != DataSource.text:
+        _fail("data.text_path", d.text_path, f"only used by data=text (data.source: {d.source.value})")
     if d.source == DataSource.text and not d.text_path:
         _fail(
             "data.text_path", d.text_path, "data=text needs a UTF-8 file: data.text_path=/path/to/corpus.txt"
@@ -164,6 +184,8 @@ def _validate_streamed_data(d) -> None:
             _fail("data.hf_dataset", d.hf_dataset, "set data.path (Parquet) or data.hf_dataset, not both")
         if d.order != SampleOrder.sequential:
             _fail("data.order", d.order.value, "data=fineweb streams documents in source order: sequential")
+    if d.path and d.source not in (DataSource.tokens, DataSource.fineweb):
+        _fail("data.path", d.path, f"only used by data=tokens, data=fineweb (data.source: {d.source.value})")
     if d.eval_path and d.source != DataSource.tokens:
         _fail("data.eval_path", d.eval_path, "only used by data=tokens")
     if not d.text_field:

@@ -21,6 +21,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from trmoe.config.resolve import compose_error
 from trmoe.config.schema import Config, Device, Precision
 from trmoe.errors import UserError
 
@@ -51,22 +52,6 @@ def parse_positive(option: str, text: str, upper: float | None = None) -> float:
         allowed = f"a number in (0, {upper:g}]" if upper is not None else "a positive number"
         raise UserError(f"{option}: {text!r}; allowed: {allowed}")
     return value
-
-
-def compose_error(e: Exception) -> str:
-    """One line from a Hydra composition error (unknown key, bad value, missing group option, bad syntax)."""
-    from hydra.errors import MissingConfigException
-
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    head = lines[0] if lines else type(e).__name__
-    if isinstance(e, MissingConfigException) and e.options:
-        options = [o for o in e.options if not o.startswith("base_")]
-        return f"config error: {head}; allowed: {', '.join(options)}"
-    cause = e.__cause__
-    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
-    if not detail and len(lines) > 1 and not lines[1].startswith(("To append", "See ")):
-        detail = lines[1]
-    return f"config error: {head}" + (f" ({detail})" if detail and detail not in head else "")
 
 
 def compose_run_config(overrides: list[str]) -> DictConfig:

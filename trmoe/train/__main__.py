@@ -10,6 +10,7 @@ after the last job.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -20,6 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra composes)
+from trmoe.config.resolve import compose_error
 from trmoe.errors import RunFailed, UserError
 from trmoe.train import status
 from trmoe.train.signals import Preempted, hand_over
@@ -79,6 +81,15 @@ def _app(cfg: DictConfig) -> float:
         distributed.shutdown()
 
 
+def _is_composition_error(e: BaseException) -> bool:
+    """A config that cannot be composed (Hydra's and OmegaConf's exceptions), as opposed to a failure of
+    the job itself, which keeps its traceback."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, HydraException | OmegaConfBaseException)
+
+
 def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     """A failed sweep job must not stop the others, and Hydra's basic sweeper skips on_multirun_end (the
     report) once any job has raised. So the failure goes on disk (status.json, which the report lists with
@@ -93,15 +104,47 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     return float("nan")
 
 
+def _check_sweep(argv: list[str]) -> None:
+    """Every job of a sweep composes, before Hydra writes anything (its multirun.yaml comes first, the
+    jobs' configs one by one later). Single runs need no check: their errors come before any write."""
+    from hydra._internal.utils import get_args_parser
+
+    from trmoe.config.sweep import check_jobs_compose, sweep_jobs
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.run:
+        return
+    if not args.multirun and not any(o.startswith("experiment=") for o in args.overrides):
+        return  # only a grid (experiment=...) switches to a sweep by itself
+    jobs, multirun = sweep_jobs(args.overrides)
+    if args.multirun or multirun:
+        check_jobs_compose(jobs)
+
+
 def main() -> None:
+    # Hydra prints its composition errors (unknown key, bad value, missing group option, bad syntax) over
+    # several lines and exits 1. Told to raise them instead, it leaves the reporting to trmoe: one line, 2.
+    user_asked = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    try:
+        _check_sweep(sys.argv[1:])
+    except UserError as e:
+        print(f"trmoe: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _app()
     except SystemExit as e:
-        # Hydra reports composition errors (unknown key, bad override, missing group option) itself and
-        # exits 1; those are user errors too, so they exit 2 like the rest.
-        if e.code == 1 and not _task_started:
+        if e.code == 1 and not _task_started:  # Hydra's own argument errors
             sys.exit(2)
         raise
+    except Exception as e:
+        if user_asked or not _is_composition_error(e):
+            raise
+        print(f"trmoe: {compose_error(e)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if not user_asked:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
     if _failed_jobs:
         print(f"trmoe: {len(_failed_jobs)} sweep job(s) failed:", *_failed_jobs, sep="\n  ", file=sys.stderr)
         sys.exit(1)

@@ -1,0 +1,49 @@
+"""The jobs of a sweep, as Hydra's basic sweeper will launch them, known before anything is launched.
+
+A sweep's jobs are every combination of the grid's `hydra.sweeper.params` (from `experiment=<name>`) and
+of the comma-separated sweep overrides on the command line (`attention=gqa,mha`). `trmoe.match` solves each
+of them; the train app composes each before Hydra writes the sweep directory, so a misspelt value in the
+third job stops the launch with one line instead of after two jobs and a multirun.yaml.
+"""
+
+from __future__ import annotations
+
+from hydra.types import RunMode
+
+from trmoe.config.resolve import compose_error
+from trmoe.errors import UserError
+
+
+def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
+    """(every job's override list in launch order, whether the composed config is a multirun)."""
+    from hydra import compose, initialize_config_module
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import trmoe.config.schema  # noqa: F401  (registers the schemas)
+
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(list(overrides))
+        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+            cfg = compose("config", overrides=fixed, return_hydra_config=True)
+    except Exception as e:  # Hydra's parse and composition errors
+        raise UserError(compose_error(e)) from None
+    params = cfg.hydra.sweeper.params or {}
+    lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
+    jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
+    return [list(job) for job in jobs], cfg.hydra.mode == RunMode.MULTIRUN
+
+
+def check_jobs_compose(jobs: list[list[str]]) -> None:
+    """Compose every job's config (no validation: a job that composes but is invalid fails on its own, as
+    documented); the first that does not compose raises a one-line UserError naming its overrides."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        for number, job in enumerate(jobs):
+            try:
+                compose("config", overrides=[o for o in job if not o.startswith("hydra.")])
+            except Exception as e:
+                raise UserError(f"{compose_error(e)} [sweep job {number}: {' '.join(job)}]") from None
