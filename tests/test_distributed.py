@@ -105,3 +105,42 @@ def test_distributed_checkpoints_hold_the_same_weights(runs):
         # ~lr/100 (measured 6e-5 at lr 3e-3); a wrong shard or a missed update moves it by ~lr.
         for key, value in single["model"].items():
             torch.testing.assert_close(state["model"][key], value, rtol=0, atol=3e-4, msg=f"{name} {key}")
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _figures(rows: list[dict[str, str]], columns: list[str]) -> dict[str, list[float]]:
+    return {c: [float(r[c]) for r in rows if r[c] != "" and r.get("step") != "0"] for c in columns}
+
+
+# FSDP2 shards the expert matrices into DTensors: expert telemetry's gradient norms (local sums of squares
+# added over ranks), the diversity penalty (from the full weights; its gradient matters at this weight) and
+# StoSignSGD's noise (drawn whole, sliced to the shard) must give the single-process figures.
+FSDP_OPTIONS = {
+    "telemetry": (["telemetry.moe=true"], ["grad_norm_shared", "grad_norm_routed", "routed_rms"]),
+    "diversity": (["loss.diversity_weight=10", "loss.diversity_target=all"], ["diversity"]),
+    "stosignsgd": (["optimizer=stosignsgd"], []),
+}
+
+
+@pytest.mark.parametrize("option", list(FSDP_OPTIONS))
+def test_fsdp_options_equal_the_single_process_run(tmp_path, option):
+    overrides, columns = FSDP_OPTIONS[option]
+    overrides = [*overrides, "trainer.steps=3"]
+    _run(tmp_path / "single", [*overrides, "trainer.micro_batch=4"], 1)
+    _run(tmp_path / "fsdp", [*overrides, "trainer.micro_batch=2", "hardware.strategy=fsdp"], 2)
+    columns = ["train_loss", "grad_norm", *columns]
+    single, fsdp = (_figures(_rows(tmp_path / n / "metrics.csv"), columns) for n in ("single", "fsdp"))
+    assert len(single["train_loss"]) == 3
+    for c in columns:
+        assert fsdp[c] == pytest.approx(single[c], rel=1e-5, abs=1e-9), c
+    if option == "telemetry":  # every per-layer figure: expert shares, RMS, gates, per-expert grad norms
+        single, fsdp = (_rows(tmp_path / n / "telemetry.csv") for n in ("single", "fsdp"))
+        assert len(fsdp) == len(single) == 3 * 2  # steps x layers
+        columns = [c for c in single[0] if c not in ("step", "layer")]
+        single, fsdp = _figures(single, columns), _figures(fsdp, columns)
+        for c in columns:
+            assert fsdp[c] == pytest.approx(single[c], rel=1e-5, abs=1e-9), c

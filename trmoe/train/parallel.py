@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Shard
+else:  # a torch build without torch.distributed: no DTensor can occur
+    DTensor = Shard = None
+
 from trmoe.config.schema import Strategy
 from trmoe.train.distributed import DistEnv
 
@@ -74,3 +79,29 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 def full(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a DTensor (FSDP results such as the gradient norm); others unchanged."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def is_dtensor(t: torch.Tensor | None) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def shard_region(t: torch.Tensor) -> tuple[slice, ...]:
+    """The region of a DTensor's global tensor that this rank holds (`t.to_local()`), as one slice per
+    dimension. Shard placements split a dimension as torch.chunk does (FSDP2's and DTensor's layout: pieces
+    of ceil(n / ranks), the last ones short or empty); Replicate keeps it whole."""
+    start, size = [0] * t.dim(), list(t.shape)
+    mesh = t.device_mesh
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:  # Partial, or a strided shard (FSDP2 combined with TP)
+            raise NotImplementedError(f"shard_region: placement {placement} of a {tuple(t.shape)} DTensor")
+        dim = placement.dim % t.dim()
+        piece = -(-size[dim] // mesh.size(mesh_dim))
+        lo = min(mesh.get_local_rank(mesh_dim) * piece, size[dim])
+        start[dim] += lo
+        size[dim] = min(piece, size[dim] - lo)
+    local = tuple(t.to_local().shape)
+    if tuple(size) != local:
+        raise NotImplementedError(f"shard_region: computed {tuple(size)}, the local shard is {local}")
+    return tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))

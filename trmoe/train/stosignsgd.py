@@ -15,12 +15,16 @@ far) the update is 0.
 
 The noise is a pure function of (seed, step, parameter index): every data-parallel rank draws the same
 numbers and so applies the same update with no communication, and a run resumed from its optimizer
-state_dict (which holds the step) continues with the same draws.
+state_dict (which holds the step) continues with the same draws. Under FSDP (a sharded DTensor parameter)
+each rank draws the parameter's whole noise, as one process would, and keeps the part of its own shard: the
+update is the single-process one, at the cost of one transient full-size noise tensor per parameter.
 """
 
 from __future__ import annotations
 
 import torch
+
+from trmoe.train.parallel import is_dtensor, shard_region
 
 
 def _noise_seed(seed: int, step: int, index: int) -> int:
@@ -61,18 +65,24 @@ class StoSignSGD(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["max_scale"] = torch.zeros_like(p)
                 state["step"] += 1
-                m, scale = state["exp_avg"], state["max_scale"]
-                m.lerp_(p.grad, 1.0 - beta)
+                m, scale, grad, w = state["exp_avg"], state["max_scale"], p.grad, p
+                gen = self._generator(p.device)
+                gen.manual_seed(_noise_seed(self.seed, state["step"], index))
+                noise = torch.rand(p.shape, generator=gen, device=p.device, dtype=p.dtype)  # global shape
+                if is_dtensor(p):
+                    # FSDP: this rank's part of the whole noise (the draws of one process); the rest is
+                    # elementwise, on the local shards (views: updating them in place updates the DTensors)
+                    noise = noise[shard_region(p)]
+                    m, scale, grad, w = m.to_local(), scale.to_local(), grad.to_local(), p.to_local()
+                m.lerp_(grad, 1.0 - beta)
                 if d != 1.0:
                     scale.mul_(d)
                 torch.maximum(scale, m.abs(), out=scale)
-                gen = self._generator(p.device)
-                gen.manual_seed(_noise_seed(self.seed, state["step"], index))
-                noise = torch.rand(p.shape, generator=gen, device=p.device, dtype=p.dtype).mul_(2.0).sub_(1.0)
+                noise.mul_(2.0).sub_(1.0)
                 update = torch.sign(noise.mul_(scale).add_(m))  # sign(m + G n)
                 if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)
-                p.add_(update, alpha=-lr)
+                    w.mul_(1.0 - lr * wd)
+                w.add_(update, alpha=-lr)
         return loss
 
     def state_dict(self):

@@ -14,9 +14,13 @@ in one layer counts once there; RMS: mean over layers; grad norms: over all laye
 telemetry.csv. Expert indices are per-layer labels (route tables differ by layer), so shares are never
 summed across layers.
 
+Under FSDP the expert and shared matrices' gradients are sharded: each rank sums the squares of its own
+shards (the replicated gates count on rank 0 alone) and `collect` adds those partial sums over ranks in its
+all-reduce, so every rank gets the figures of one process.
+
 Cost: nothing when off (no hooks, no counters, no reductions). When on: per forward and layer one
-bincount and two sums of squares on the device, at each log step one all-reduce (under DDP) and one
-copy to the host. Only training forwards are counted (evaluation and checkpoint recomputation are not).
+bincount and two sums of squares on the device, at each log step one all-reduce (under DDP or FSDP) and
+one copy to the host. Only training forwards are counted (evaluation and checkpoint recomputation are not).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trmoe.train.parallel import is_dtensor, shard_region
 from trmoe.train.records import _fmt
 
 LAYER_COLUMNS = (
@@ -64,6 +69,7 @@ class MoETelemetry:
         self.sumsq = torch.zeros(layers, 2, dtype=torch.float64, device=device)  # [shared, routed]
         self.numel = torch.zeros(layers, 2, dtype=torch.float64, device=device)
         self._recording = False
+        self._sharded = False  # the last grad_norms() saw sharded (FSDP) gradients: collect() sums them
         self._handles = []
         for layer, ffn in enumerate(self.ffns):
             if ffn.shared is not None:
@@ -109,14 +115,29 @@ class MoETelemetry:
     @torch.no_grad()
     def grad_norms(self) -> torch.Tensor:
         """[L, 2 + E] on the device: squared grad norms of shared, routed, and each expert. Call after
-        backward and before clipping (the values are the averaged gradients DDP leaves in .grad)."""
+        backward and before clipping (the values are the averaged gradients DDP leaves in .grad).
+        With sharded (FSDP) gradients it is this rank's part: the sums over its shards, plus the replicated
+        gates on rank 0; `collect` adds the parts over ranks."""
         out = self.counts.new_zeros(len(self.ffns), 2 + self.num_experts)
+        self._sharded = any(is_dtensor(p.grad) for ffn in self.ffns for p in ffn.parameters())
+        counted_here = not self._sharded or dist.get_rank() == 0  # where a replicated gradient counts
 
         def sq(t: torch.Tensor | None, dims=None) -> torch.Tensor | float:
             if t is None or t.grad is None:
                 return 0.0
-            g = t.grad.double()
-            return g.pow(2).sum() if dims is None else g.pow(2).sum(dim=dims)
+            if not is_dtensor(t.grad):
+                if not counted_here:
+                    return 0.0
+                g = t.grad.double()
+                return g.pow(2).sum() if dims is None else g.pow(2).sum(dim=dims)
+            if not _shard_counted_here(t.grad):
+                return 0.0
+            g = t.grad.to_local().double()
+            if dims is None:
+                return g.pow(2).sum()
+            part = g.new_zeros(t.shape[0])  # per expert (dim 0), this shard's rows in their global place
+            part[shard_region(t.grad)[0]] = g.pow(2).sum(dim=dims)
+            return part
 
         for layer, ffn in enumerate(self.ffns):
             if ffn.shared is not None:
@@ -128,15 +149,22 @@ class MoETelemetry:
 
     def collect(self, step: int, grad_sq: torch.Tensor | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(aggregate metrics columns, per-layer telemetry rows) of the window; resets the counters.
-        Under DDP the counters are summed over ranks here: one all-reduce per log row, nothing else."""
-        packed = torch.cat([self.counts.flatten(), self.sumsq.flatten(), self.numel.flatten()])
+        Under DDP the counters are summed over ranks here: one all-reduce per log row, nothing else (under
+        FSDP the same one also sums the ranks' parts of `grad_sq`)."""
+        layers, e = len(self.ffns), self.num_experts
+        pieces = [self.counts.flatten(), self.sumsq.flatten(), self.numel.flatten()]
+        partial = grad_sq is not None and self._sharded
+        if partial:
+            pieces.append(grad_sq.flatten())
+        packed = torch.cat(pieces)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
         packed = packed.cpu()
-        layers, e = len(self.ffns), self.num_experts
         counts = packed[: layers * e].view(layers, e)
         sumsq = packed[layers * e : layers * (e + 2)].view(layers, 2)
-        numel = packed[layers * (e + 2) :].view(layers, 2)
+        numel = packed[layers * (e + 2) : layers * (e + 4)].view(layers, 2)
+        if partial:
+            grad_sq = packed[layers * (e + 4) :].view(layers, 2 + e)
         grads = grad_sq.cpu().sqrt() if grad_sq is not None else None
         self.counts.zero_()
         self.sumsq.zero_()
@@ -181,6 +209,15 @@ class MoETelemetry:
                 present = any(r.get(f"grad_norm_{branch}") is not None for r in rows)
                 aggregate[f"grad_norm_{branch}"] = float(grads[:, i].pow(2).sum().sqrt()) if present else None
         return aggregate, rows
+
+
+def _shard_counted_here(g: torch.Tensor) -> bool:
+    """Whether this rank's shard of the DTensor `g` is in the sum over all ranks: the collective spans the
+    world, so a shard replicated over some mesh dimension counts only at coordinate 0 there."""
+    mesh = g.device_mesh
+    if mesh.size() != dist.get_world_size():
+        raise NotImplementedError(f"telemetry: gradients on a {mesh} that is not the whole world")
+    return all(mesh.get_local_rank(i) == 0 for i, p in enumerate(g.placements) if p.is_replicate())
 
 
 def _first_line(path: Path) -> str:
