@@ -1,16 +1,20 @@
 """The benchmarks run and record what docs/performance.md reads from them (tiny sizes: no timing is
-asserted, only that each result line is complete and its ratios are the ratios of its own timings)."""
+asserted, only that each result line is complete and its ratios are the ratios of its own timings), and
+turn bad input away with one line and exit code 2 before they run or record anything."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from trmoe.bench import dispatch, ffn, step
 from trmoe.bench.common import LayerBench, layer_args
+from trmoe.errors import UserError
 
 
 @pytest.fixture
@@ -44,12 +48,79 @@ def test_ffn_and_dispatch_record_a_line_per_layout(results):
         assert r["active_width"] == r["shared_width"] + r["top_k"] * r["routed_width"] // r["experts"]
 
 
-def test_only_ffn_takes_compile(capsys):
+def test_only_ffn_takes_compile():
     assert layer_args("ffn", None, ["--compile"], compiles=True).compile
     assert not layer_args("ffn", None, [], compiles=True).compile
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UserError, match="bench dispatch: unrecognized arguments: --compile"):
         layer_args("dispatch", None, ["--compile"])
-    assert stop.value.code == 2 and "unrecognized arguments: --compile" in capsys.readouterr().err
+
+
+BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line must name)
+    (["nope"], ["'nope'", "'ffn', 'dispatch', 'loss', 'step', 'data'"]),
+    (["ffn", "--tokens", "0"], ["bench ffn", "--tokens", "'0'", ">= 1"]),
+    (["ffn", "--reps", "-5"], ["--reps", "'-5'", ">= 1"]),
+    (["ffn", "--dtype", "float99"], ["--dtype", "'float99'", "'float32', 'bfloat16'"]),
+    (["dispatch", "--device", "bogus"], ["bench dispatch", "--device", "'bogus'", "'cpu'"]),
+    (["dispatch", "--strategy", "bogus"], ["--strategy", "'modulo_cyclic', 'random'"]),
+    (["dispatch", "--compile"], ["--compile", "python -m trmoe.bench dispatch --help"]),
+    (["loss", "--kinds", "chunked", "bogus"], ["bench loss", "--kinds", "'bogus'", "'chunked', 'torch'"]),
+    (["step", "--model", "nope"], ["bench step", "--model", "'nope'", "'tiny'"]),
+    (["step", "--batch", "0"], ["--batch", "'0'", ">= 1"]),
+    (["step", "--steps", "0"], ["--steps", "'0'", ">= 1"]),
+    (["step", "--model", "tiny", "--seq", "99999"], ["trainer.seq_len=99999", "model.max_seq_len"]),
+    (["step", "--model", "tiny", "--steps", "1", "bogus.key=1"], ["config error", "bogus.key"]),
+    (["step", "--model", "tiny", "--steps", "1", "model=nope"], ["model/nope", "allowed: 100m"]),
+    (["data", "--workers", "0,-1"], ["bench data", "--workers", "'0,-1'", ">= 0"]),
+    (["data", "--dir", "a_file"], ["--dir", "'a_file'", "a directory"]),
+]
+IDS = [" ".join(argv) for argv, _ in BAD_INPUTS]
+# through the real command line as well (a fresh interpreter importing torch each, ~2 s of CPU): the
+# benchmark name, an argparse type, a config check of `step`, a path
+BY_CLI = ["nope", "ffn --tokens 0", "step --model tiny --seq 99999", "data --dir a_file"]
+
+
+def _assert_one_line(code: int, out: str, err: str, names: list[str], results) -> None:
+    assert code == 2, err
+    (line,) = err.splitlines()  # one line: no traceback, no usage block
+    assert line.startswith("trmoe: ") and all(name in line for name in names), line
+    assert out == "" and not results.exists()  # nothing measured, nothing recorded
+
+
+@pytest.mark.parametrize(("argv", "names"), BAD_INPUTS, ids=IDS)
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, names, tmp_path, monkeypatch, capsys):
+    from trmoe.bench.__main__ import main
+
+    monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a directory\n")
+    code = main(argv)
+    _assert_one_line(code, *capsys.readouterr(), names, tmp_path / "results.jsonl")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """`python -m trmoe.bench` on each command line of BY_CLI, all started at once, in a scratch directory,
+    each with a TRMOE_RESULTS of its own."""
+    root = tmp_path_factory.mktemp("bench-cli")
+    (root / "a_file").write_text("not a directory\n")
+    runs = {}
+    for i, line in enumerate(BY_CLI):
+        results = root / f"results-{i}" / "results.jsonl"
+        env = {**os.environ, "TRMOE_RESULTS": str(results)}
+        command = [sys.executable, "-m", "trmoe.bench", *line.split()]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        runs[line] = subprocess.Popen(command, cwd=root, env=env, **pipes), results
+    yield runs
+    for proc, _ in runs.values():
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("line", BY_CLI)
+def test_bad_input_on_the_command_line(cli_runs, line):
+    proc, results = cli_runs[line]
+    out, err = proc.communicate(timeout=120)
+    _assert_one_line(proc.returncode, out, err, BAD_INPUTS[IDS.index(line)][1], results)
 
 
 @pytest.mark.skipif(not os.environ.get("TRMOE_SLOW_TESTS"), reason="inductor on CPU compiles for ~1.5 min")

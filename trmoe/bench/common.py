@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -14,7 +15,53 @@ from pathlib import Path
 
 import torch
 
+from trmoe.errors import UserError
+from trmoe.model.routing import STRATEGIES
+
 RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype of the layer benchmarks takes
+
+
+class Parser(argparse.ArgumentParser):
+    """The command line of a benchmark: bad input raises UserError, which `python -m trmoe.bench` prints as
+    one line (exit code 2) before any benchmark work starts."""
+
+    def error(self, message: str):
+        if "allowed" not in message and "choose from" not in message:
+            message += f"; allowed: see {self.prog} --help"
+        raise UserError(f"{self.prog.removeprefix('python -m trmoe.')}: {message}")
+
+
+def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> int:
+    """The exit code of a benchmark's `main(argv)`: bad input (UserError) is one line on stderr and code 2."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"trmoe: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a whole number >= 1")
+    return value
+
+
+def devices() -> list[str]:
+    """The devices of this machine, as --device takes them: cpu, and cuda (cuda:<i>) where there is one."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(["cuda"] if gpus else []), *(f"cuda:{i}" for i in range(gpus))]
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """--device: one of this machine's devices, cuda by default where there is one."""
+    parser.add_argument("--device", choices=devices(), default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def machine() -> dict:
@@ -114,13 +161,14 @@ class LayerBench:
 def layer_args(name: str, doc: str | None, argv: list[str] | None, *, compiles: bool = False) -> LayerBench:
     """The command line of the layer benchmarks (ffn, dispatch): tokens, device, dtype, repetitions, routing
     strategy (and `--compile` where the benchmark `compiles`), with device-dependent defaults filled in."""
-    parser = argparse.ArgumentParser(prog=f"python -m trmoe.bench {name}", description=doc)
-    parser.add_argument("--tokens", type=int, default=None, help="default: 2x2048 on CPU, 8x2048 on GPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    parser = Parser(prog=f"python -m trmoe.bench {name}", description=doc)
+    parser.add_argument("--tokens", type=positive_int, help="default: 2x2048 on CPU, 8x2048 on GPU")
+    add_device(parser)
+    parser.add_argument("--reps", type=positive_int, default=15)
+    parser.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument(
         "--strategy",
+        choices=STRATEGIES,
         default="modulo_cyclic",
         help="route tables (the default's E tuples group rows by tuple; hashed ones, e.g. random, by expert)",
     )
@@ -131,10 +179,10 @@ def layer_args(name: str, doc: str | None, argv: list[str] | None, *, compiles: 
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     return LayerBench(
-        tokens=args.tokens or (8 * 2048 if gpu else 2 * 2048),
+        tokens=(8 * 2048 if gpu else 2 * 2048) if args.tokens is None else args.tokens,
         reps=args.reps,
         device=args.device,
-        dtype=args.dtype or ("bfloat16" if gpu else "float32"),
+        dtype=("bfloat16" if gpu else "float32") if args.dtype is None else args.dtype,
         strategy=args.strategy,
         compile=getattr(args, "compile", False),
     )

@@ -13,13 +13,14 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from trmoe.bench.common import record
+from trmoe.bench.common import Parser, positive_int, record, run_cli
 
 
 def _median_s(fn, reps: int, warmup: int = 1) -> float:
@@ -168,18 +169,48 @@ def bench_stream(root: Path, text_mb: int, workers: list[int], seq_len: int) -> 
     return out
 
 
+def _worker_counts(text: str) -> list[int]:
+    """argparse type of --workers: comma-separated worker counts, each >= 0 (0 = tokenize in-process)."""
+    try:
+        counts = sorted({int(w) for w in text.split(",")})
+    except ValueError:
+        counts = [-1]
+    if counts[0] < 0:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; allowed: comma-separated whole numbers >= 0, e.g. 0,1,4"
+        )
+    return counts
+
+
+def _scratch_dir(text: str) -> Path:
+    """argparse type of --dir: a directory, or a path where one can be made (no file on the way)."""
+    path = Path(text)
+    if not all(p.is_dir() for p in (path, *path.parents) if p.exists()):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file or lies under one; allowed: a directory path")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trmoe.bench data", description=__doc__)
-    parser.add_argument("--shard-mb", type=int, default=256, help="size of the synthetic uint32 shard")
-    parser.add_argument("--text-mb", type=int, default=16, help="size of the text corpus for prepare/stream")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--workers", default=f"0,1,{os.cpu_count() or 1}", help="worker counts to compare")
-    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    parser = Parser(prog="python -m trmoe.bench data", description=__doc__)
+    parser.add_argument(
+        "--shard-mb", type=positive_int, default=256, help="size of the synthetic uint32 shard"
+    )
+    parser.add_argument(
+        "--text-mb", type=positive_int, default=16, help="size of the text corpus for prepare/stream"
+    )
+    parser.add_argument("--reps", type=positive_int, default=5)
+    parser.add_argument("--micro-batch", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
+    parser.add_argument(
+        "--workers",
+        type=_worker_counts,
+        default=f"0,1,{os.cpu_count() or 1}",
+        help="worker counts to compare",
+    )
+    parser.add_argument("--dir", type=_scratch_dir, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
-    workers = sorted({int(w) for w in args.workers.split(",")})
-    scratch = Path(args.dir or tempfile.mkdtemp(prefix="trmoe-bench-data-"))
+    workers = args.workers
+    scratch = Path(tempfile.mkdtemp(prefix="trmoe-bench-data-")) if args.dir is None else args.dir
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         shard = bench_shard(scratch, args.shard_mb, args.reps, args.micro_batch, args.seq_len)
@@ -212,4 +243,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -9,7 +9,6 @@ of h and W, which every path returns. Target: the chunked path's extra peak <= 2
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -18,12 +17,16 @@ import time
 
 import torch
 
+from trmoe.bench.common import Parser, add_device, positive_int, record, run_cli
+from trmoe.config.schema import LossBackend
+
 VOCAB = 200_019
+KINDS = (*(b.value for b in LossBackend), "full")  # the train loop's loss backends, and full logits
 
 
 def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
     """One loss path, forward and backward, through the loss backends the train loop uses."""
-    from trmoe.config.schema import LossBackend, LossConfig
+    from trmoe.config.schema import LossConfig
     from trmoe.train.loss import full_logits_ce
     from trmoe.train.loss_backend import training_loss
 
@@ -58,8 +61,6 @@ def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
 def run(
     token_counts: list[int], hidden: int, chunk: int, kinds: list[str], max_gb: float, device: str = "cpu"
 ) -> list[dict]:
-    from trmoe.bench.common import record
-
     results = []
     for tokens in token_counts:
         for kind in kinds:
@@ -107,15 +108,18 @@ def main(argv: list[str] | None = None) -> None:
         kind, tokens, hidden, chunk, device = argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5]
         print(json.dumps(_case(kind, tokens, hidden, chunk, device)))
         return
-    parser = argparse.ArgumentParser(prog="python -m trmoe.bench loss", description=__doc__)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--chunk", type=int, default=2048)
-    parser.add_argument("--kinds", nargs="+", help="default: chunked torch full, +liger on GPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = Parser(prog="python -m trmoe.bench loss", description=__doc__)
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--hidden", type=positive_int, default=384)
+    parser.add_argument("--chunk", type=positive_int, default=2048)
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, help="default: chunked torch full, +liger on GPU"
+    )
+    add_device(parser)
     parser.add_argument("--max-gb", type=float, default=12.0, help="skip full logits needing more than this")
     args = parser.parse_args(argv)
-    kinds = args.kinds or ["chunked", "torch", "full"] + (["liger"] if args.device == "cuda" else [])
+    gpu = args.device.startswith("cuda")
+    kinds = ["chunked", "torch", "full", *(["liger"] if gpu else [])] if args.kinds is None else args.kinds
     for r in run(args.tokens, args.hidden, args.chunk, kinds, args.max_gb, args.device):
         if "skipped" in r:
             print(f"{r['kind']:>8} {r['tokens']:>6} tokens: skipped ({r['skipped']})")
@@ -127,4 +131,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main, sys.argv[1:]))

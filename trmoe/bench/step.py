@@ -8,26 +8,36 @@ control (E=1, K=1, same total parameters), its steps alternating with the TR mod
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from importlib import resources
 
 import torch
 
-from trmoe.bench.common import matmul_peak_flops, record, sync
+from trmoe.bench.common import Parser, add_device, matmul_peak_flops, positive_int, record, sync
+from trmoe.errors import UserError
 from trmoe.model.flops import flops_per_token  # the formula the planner uses too
+from trmoe.train import env
 
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+PROFILES = resources.files("trmoe.conf") / "model"  # the model profiles --model takes
+MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.name.endswith(".yaml"))
 
 
-def _components(overrides: list[str]):
+def _components(overrides: list[str], compile_model: bool = False):
+    """The validated config and model spec of one arm; UserError (one line) for a bad override or value."""
     from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
 
     import trmoe.config.schema  # noqa: F401
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import compose_error, model_spec, to_config
 
-    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-        cfg = to_config(compose("config", overrides=overrides))
+    overrides = [*overrides, *(["trainer.compile=true"] if compile_model else [])]
+    try:
+        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+            cfg = to_config(compose("config", overrides=overrides))
+    except HydraException as e:  # an unknown key or group option, a bad value, bad syntax
+        raise UserError(compose_error(e)) from None
     return cfg, model_spec(cfg)
 
 
@@ -41,11 +51,10 @@ class Arm:
     def __init__(self, overrides: list[str], device: torch.device, compile_model: bool):
         from trmoe.data.pipeline import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
-        from trmoe.train import env
         from trmoe.train.controls import TrainingControls
         from trmoe.train.optim import build_optimizer
 
-        cfg, self.spec = _components([*overrides, *(["trainer.compile=true"] if compile_model else [])])
+        cfg, self.spec = _components(overrides, compile_model)
         self.overrides, self.device, self.compile, self.t, self.env = (
             overrides,
             device,
@@ -155,26 +164,23 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trmoe.bench step", description=__doc__)
-    parser.add_argument("--model", nargs="+", default=["tiny", "100m"])
-    parser.add_argument("--batch", type=int, default=None, help="micro-batch; default 1 on CPU, 8 on GPU")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=5)
+    parser = Parser(prog="python -m trmoe.bench step", description=__doc__)
+    parser.add_argument(
+        "--model", nargs="+", choices=MODELS, default=["tiny", "100m"], metavar="NAME", help=", ".join(MODELS)
+    )
+    parser.add_argument("--batch", type=positive_int, help="micro-batch; default 1 on CPU, 8 on GPU")
+    parser.add_argument("--seq", type=positive_int, default=2048)
+    parser.add_argument("--steps", type=positive_int, default=5)
     parser.add_argument("--pair", action="store_true", help="also time the matched dense control (E=1, K=1)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(parser)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra config overrides, key=value (not right after --model's names)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    batch = args.batch or (8 if device.type == "cuda" else 1)
-    measured_peak = None
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
-        peak_source = "datasheet dense bf16"
-        measured_peak = matmul_peak_flops(device, torch.bfloat16, n=8192)
-    else:  # measured between the steps (measure(probe_n=...))
-        peak, peak_source = None, "fp32 2048^3 GEMM timed after each measured step"
+    batch = (8 if device.type == "cuda" else 1) if args.batch is None else args.batch
+    runs: dict[str, dict[str, list[str]]] = {}  # model: {arm: its overrides}
     for model in args.model:
         base = [
             f"model={model}",
@@ -184,9 +190,21 @@ def main(argv: list[str] | None = None) -> None:
             *(["hardware=cuda"] if device.type == "cuda" else []),
             *args.overrides,
         ]
-        arms = {"tr": base}
+        runs[model] = {"tr": base}
         if args.pair:
-            arms["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
+            runs[model]["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
+    for arms in runs.values():  # every arm's config checked before any work starts or anything is recorded
+        for overrides in arms.values():
+            env.autocast_dtype(_components(overrides, args.compile)[0].hardware, device)
+    measured_peak = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+        peak_source = "datasheet dense bf16"
+        measured_peak = matmul_peak_flops(device, torch.bfloat16, n=8192)
+    else:  # measured between the steps (measure(probe_n=...))
+        peak, peak_source = None, "fp32 2048^3 GEMM timed after each measured step"
+    for model, arms in runs.items():
         probe_n = 2048 if device.type == "cpu" else 0
         measured, probed = measure(arms, args.steps, device, args.compile, probe_n)
         model_peak = probed or peak
