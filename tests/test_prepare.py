@@ -210,3 +210,26 @@ def test_cli_prepare_verify_and_errors(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
     _no_output(tmp_path / "bad_out")
     assert sorted(os.listdir(tmp_path)) == ["bad.txt", "c.txt", "ds"]
+
+
+def test_cli_out_that_is_a_file_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "good.txt").write_text("\n\n".join(documents(20)))
+    (tmp_path / "afile").write_text("keep me\n")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train").write_text("a file where a partition goes\n")
+    cases = [
+        ("afile", f"--out {tmp_path / 'afile'}: it is a file, not a directory"),
+        ("afile/sub", f"--out {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, not a directory"),
+        ("ds", f"--out {tmp_path / 'ds'}: {tmp_path / 'ds' / 'train'} is a file, not a directory"),
+    ]
+    for out, expected in cases:
+        result = run_prepare(["good.txt", "--out", out, "--workers", "0", "--eval-fraction", "0.3"], tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
+    assert (tmp_path / "afile").read_text() == "keep me\n"
+    assert os.listdir(tmp_path / "ds") == ["train"]
+    assert (tmp_path / "ds" / "train").read_text() == "a file where a partition goes\n"
+    assert sorted(os.listdir(tmp_path)) == ["afile", "ds", "good.txt"]
+    with pytest.raises(UserError, match="none of the 20 documents into eval"):  # fails after mkdir
+        prepare(str(tmp_path / "good.txt"), tmp_path / "new" / "deeper" / "out", eval_fraction=0.001)
+    _no_output(tmp_path / "new")  # ... and leaves none of the parents it made behind

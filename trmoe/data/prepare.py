@@ -296,6 +296,25 @@ def _check_args(eval_fraction: float, workers: int, separator: str | None, text_
         raise UserError("--text-field: must name the field that holds the text")
 
 
+def _check_out(out: Path) -> None:
+    """--out must be a directory, or not exist yet below one; train/ and eval/ in it directories if there."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "it is" if path == out else f"{path} is"
+                raise UserError(
+                    f"--out {out}: {where} a file, not a directory; allowed: a new or existing directory "
+                    "(the dataset directory that gets train/ and eval/)"
+                )
+            break
+    for part in PARTITIONS:
+        if (out / part).exists() and not (out / part).is_dir():
+            raise UserError(
+                f"--out {out}: {out / part} is a file, not a directory; allowed: a directory whose {part}/ "
+                "is a directory or absent"
+            )
+
+
 def prepare(
     input_spec: str,
     out: str | Path,
@@ -316,6 +335,7 @@ def prepare(
         if path.suffix == ".parquet":
             _parquet_file(path, text_field)
     out = Path(out).expanduser().resolve()
+    _check_out(out)
     existing = [out / p / INDEX_NAME for p in PARTITIONS if (out / p / INDEX_NAME).exists()]
     existing += [out / DATASET_FILE] if (out / DATASET_FILE).exists() else []
     if existing and not overwrite:
@@ -337,14 +357,20 @@ def prepare(
         "eval_fraction": eval_fraction,
         "split_seed": split_seed,
     }
-    created = [d for d in (out, *(out / p for p in PARTITIONS)) if not d.exists()]
+    # Every directory this call makes (--out's missing parents too), removed again on error.
+    created = [d for d in (*reversed(out.parents), out, *(out / p for p in PARTITIONS)) if not d.exists()]
     meta = dict(vocab_size=enc.n_vocab, tokenizer=TOKENIZER_NAME, tokenizer_sha256=tokenizer_fingerprint())
-    writers = {p: ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta) for p in PARTITIONS}
+    writers: dict[str, ShardWriter] = {}
     offsets = np.cumsum([0] + [p.stat().st_size for p in files])
     bar = Progress(progress, int(offsets[-1]))
     start = time.perf_counter()
     pool, documents = None, 0
     try:
+        for p in PARTITIONS:  # in the try: a directory that cannot be made leaves no other partial file
+            try:
+                writers[p] = ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta)
+            except OSError as exc:  # no permission, or a file put in the way since the check
+                raise UserError(f"--out {out}: cannot write {out / p} ({exc.strerror or exc})") from None
         pool = make_pool(workers)
         tasks = (
             (tag, (texts, eval_fraction, split_seed, "all"))

@@ -3,7 +3,8 @@
 Reads every run under the given directories and writes report.md, report.csv, report_pairs.csv and
 plots/*.png next to them (the one directory given, else the deepest directory holding them all), and prints
 the Markdown. The control arm defaults to the one the grid names (hydra.callbacks.report.control), else the
-only dense arm, else the first arm. Exit code 2 when there is nothing to report.
+only dense arm, else the first arm. Exit code 2, one line and nothing written, when there is nothing to
+report or an argument is bad (--out is a file, --peak-tflops not a positive number, --control no arm's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from trmoe.errors import UserError
-from trmoe.report.build import REPORT_MD, build_report
+from trmoe.report.build import REPORT_MD, build_report, parse_peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,16 +27,21 @@ def main(argv: list[str] | None = None) -> int:
         "--control", default=None, help='the arm to compare against, as its swept overrides: "arm=topk/dense"'
     )
     parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="peak FLOP/s per device (in TFLOP/s) for MFU on any device",
+        "--peak-tflops", default=None, help="peak FLOP/s per device (in TFLOP/s) for MFU on any device"
     )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
     args = parser.parse_args(argv)
     try:
-        rep = build_report(args.paths, args.out, args.control, args.peak_tflops, not args.no_plots)
+        peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
+        rep = build_report(
+            args.paths,
+            args.out,
+            args.control,
+            peak,
+            not args.no_plots,
+            require_control=args.control is not None,
+        )
     except UserError as e:
         print(f"trmoe: {e}", file=sys.stderr)
         return e.exit_code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +66,13 @@ def _match_cell(run: Run) -> str:
 
 
 def _status_cell(run: Run) -> str:
+    notes = list(run.unreadable)  # e.g. "run_config.json unreadable: not valid JSON"
     if run.status == "failed":
-        return f"failed: {run.error or 'no error line'}"
+        return "; ".join([f"failed: {run.error or 'no error line'}", *notes])
     if run.error:  # e.g. preempted: why it stopped
-        return f"{run.status}: {run.error}"
-    return run.status + (" (inferred)" if run.status_inferred else "")
+        return "; ".join([f"{run.status}: {run.error}", *notes])
+    notes = ["inferred"] * run.status_inferred + notes
+    return run.status + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -249,17 +252,54 @@ def default_folder(paths: list[Path]) -> Path:
     return common_root(paths)
 
 
+def check_folder(folder: Path) -> None:
+    """The report folder (--out) must be a directory, or not exist yet below one: never a file."""
+    for path in (folder, *folder.parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            where = "it is" if path == folder else f"{path} is"
+            raise UserError(
+                f"report: --out {folder}: {where} a file, not a directory; allowed: a directory (new or "
+                "existing) that report.md, report.csv, report_pairs.csv and plots/ are written into"
+            )
+        return
+
+
+def parse_peak(text: str | float | None) -> float | None:
+    """--peak-tflops: a positive finite number (TFLOP/s of one device), or None when not given."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(
+            f"report: --peak-tflops {text}: allowed: a positive number, the peak TFLOP/s of one device "
+            "(bf16 dense: H100/H200 989, A100 312)"
+        )
+    return value
+
+
 def build_report(
     paths: list[Path],
     folder: Path | None = None,
     control: str | None = None,
     peak_tflops: float | None = None,
     make_plots: bool = True,
+    *,
+    require_control: bool = False,
 ) -> Report:
-    """Read the runs under `paths` and write the report files into `folder` (default: next to them)."""
+    """Read the runs under `paths` and write the report files into `folder` (default: next to them).
+    Bad input raises UserError before anything is written. A control that matches no arm is a warning in
+    the report (the grid's recorded control), or with require_control a UserError (--control as typed)."""
     missing = [str(p) for p in paths if not p.is_dir()]
     if missing:
         raise UserError(f"report: not a directory: {', '.join(missing)}")
+    parse_peak(peak_tflops)
+    if folder is not None:
+        check_folder(folder)
     folder = folder or default_folder(paths)
     runs = load_runs(paths)
     if not runs:
@@ -272,13 +312,23 @@ def build_report(
     arms = group_arms(runs)
     spec = control or next((r.control for r in runs if r.control), None)
     control_arm, control_note = pick_control(arms, spec)
+    if require_control and control and control_arm is None:
+        labels = [f"`{a.label}`" for a in arms]
+        listed = ", ".join(labels[:8]) + (f" and {len(labels) - 8} more" if len(labels) > 8 else "")
+        raise UserError(
+            f"report: --control {control}: matches no arm; allowed: an arm ({listed}), the name of one of "
+            'its runs, or its swept overrides ("key=value ...")'
+        )
     pairs = paired(arms, control_arm, summaries) if control_arm is not None else []
     warnings, checklist = check(runs, arms, summaries)
     if spec and control_arm is None:
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
 
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # checked above; here: no permission, or a file put there since
+        raise UserError(f"report: --out {folder}: cannot create the directory ({e.strerror or e})") from None
     if not make_plots:
         rep.plots_note = "Plots were not requested (--no-plots)."
     elif not plots.available():

@@ -227,6 +227,12 @@ def check(
             f"{len(unfinished)} run(s) not finished (running, or stopped without a status): "
             + ", ".join(r.name for r in unfinished)
         )
+    unreadable = [r for r in runs if r.unreadable]
+    if unreadable:
+        warnings.append(
+            f"{len(unreadable)} run(s) with unreadable records (what they hold is missing from the tables "
+            "and the checklist): " + "; ".join(f"{r.name}: {', '.join(r.unreadable)}" for r in unreadable)
+        )
 
     recorded = [r for r in runs if r.record]
     swept = set(swept_keys(runs))

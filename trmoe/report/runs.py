@@ -1,7 +1,9 @@
 """Read run directories: run_config.json, metrics.csv, status.json, .hydra/ and the sweep's multirun.yaml.
 
 Everything is optional: a run that failed before training has only status.json; metrics columns are read by
-name, and a column a run did not record reads as missing (the report shows n/a).
+name, and a column a run did not record reads as missing (the report shows n/a). A record that is there but
+cannot be read (not JSON, not an object where one belongs) reads as missing too, and the run carries a note
+that says so (Run.unreadable), which the report shows.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trmoe.train.status import FINISHED, RUNNING, read_status
+from trmoe.train.status import FINISHED, RUNNING, STATUS_FILE, read_status
 
 RUN_MARKERS = ("run_config.json", "status.json")
+RECORD_FILE = "run_config.json"
+# Keys of run_config.json that hold an object (or null); anything else there is an unreadable part of it.
+RECORD_OBJECTS = tuple("config model_spec params git backend data controls param_match derived".split())
 SEED_KEY = "trainer.seed"
 # Overrides that never define an arm: where the run is written and how it is displayed.
 IGNORED_KEYS = ("run.name", "run.progress")
@@ -56,6 +61,25 @@ def _load_yaml(path: Path) -> Any:
         return None
 
 
+def _obj(value: Any) -> dict:
+    """The value if it is a mapping, else {} (a record with another type where a mapping belongs)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _dig(node: Any, dotted: str) -> Any:
+    """node["a"]["b"] for "a.b"; None where a key is missing or a node on the way is not a mapping."""
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
 def _float(text: str | None) -> float:
     try:
         return float(text) if text not in (None, "") else math.nan
@@ -74,10 +98,10 @@ class Sweep:
 
 def load_sweep(path: Path) -> Sweep:
     """Swept keys of a multirun: hydra.sweeper.params plus the command-line overrides with sweep syntax."""
-    cfg = _load_yaml(path / "multirun.yaml") or {}
-    hydra = cfg.get("hydra", {}) if isinstance(cfg, dict) else {}
-    swept = [override_key(k) for k in ((hydra.get("sweeper") or {}).get("params") or {})]
-    task = ((hydra.get("overrides") or {}).get("task")) or []
+    hydra = _obj(_obj(_load_yaml(path / "multirun.yaml")).get("hydra"))
+    swept = [override_key(str(k)) for k in _obj(_obj(hydra.get("sweeper")).get("params"))]
+    task = _obj(hydra.get("overrides")).get("task") or []
+    task = task if isinstance(task, list) else []
     if task:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -85,9 +109,9 @@ def load_sweep(path: Path) -> Sweep:
             parsed = OverridesParser.create().parse_overrides(list(task))
             swept += [override_key(o.get_key_element()) for o in parsed if o.is_sweep_override()]
         except Exception:  # an override the plain parser cannot read (glob of a group): fall back to commas
-            swept += [override_key(o) for o in task if "," in o.split("=", 1)[-1]]
-    control = ((hydra.get("callbacks") or {}).get("report") or {}).get("control")
-    return Sweep(path, list(dict.fromkeys(swept)), control)
+            swept += [override_key(str(o)) for o in task if "," in str(o).split("=", 1)[-1]]
+    control = _obj(_obj(hydra.get("callbacks")).get("report")).get("control")
+    return Sweep(path, list(dict.fromkeys(swept)), control if isinstance(control, str) else None)
 
 
 def find_sweep_dir(run_dir: Path, levels: int = 3) -> Path | None:
@@ -111,18 +135,14 @@ class Run:
     columns: list[str] = field(default_factory=list)
     rows: list[dict[str, float]] = field(default_factory=list)
     status_inferred: bool = False
+    unreadable: list[str] = field(default_factory=list)  # records there but not readable, one note each
 
     @property
     def config(self) -> dict:
-        return self.record.get("config") or {}
+        return _obj(self.record.get("config"))
 
     def config_value(self, dotted: str) -> Any:
-        node: Any = self.config
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return None
-            node = node[part]
-        return node
+        return _dig(self.config, dotted)
 
     @property
     def seed(self) -> int | None:
@@ -157,14 +177,56 @@ class Run:
         return column in self.columns
 
 
-def _read_metrics(path: Path) -> tuple[list[str], list[dict[str, float]]]:
+def _read_metrics(path: Path, notes: list[str]) -> tuple[list[str], list[dict[str, float]]]:
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             rows = [{k: _float(v) for k, v in row.items() if k is not None} for row in reader]
             return list(reader.fieldnames or []), rows
-    except OSError:
+    except FileNotFoundError:
         return [], []
+    except OSError as e:
+        notes.append(f"{path.name} unreadable: {e.strerror or type(e).__name__}")
+    except UnicodeDecodeError:
+        notes.append(f"{path.name} unreadable: not UTF-8 text")
+    except csv.Error as e:
+        notes.append(f"{path.name} unreadable: not CSV ({e})")
+    return [], []
+
+
+def _read_record(path: Path, notes: list[str]) -> dict:
+    """run_config.json as a mapping: {} when it is absent (the run failed before writing it) or unreadable
+    (a note then says why), without the parts that are not the objects they should be (one note)."""
+    try:
+        record = json.loads((path / RECORD_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        notes.append(f"{RECORD_FILE} unreadable: {e.strerror or type(e).__name__}")
+        return {}
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: a truncated or garbled file
+        notes.append(f"{RECORD_FILE} unreadable: not valid JSON")
+        return {}
+    if not isinstance(record, dict):
+        notes.append(f"{RECORD_FILE} unreadable: {_json_kind(record)}, not an object")
+        return {}
+    bad = [key for key in RECORD_OBJECTS if record.get(key) is not None and not isinstance(record[key], dict)]
+    if bad:
+        kinds = ", ".join(f"`{key}` is {_json_kind(record.pop(key))}" for key in bad)
+        notes.append(
+            f"{RECORD_FILE} unreadable in part: {kinds}, not {'an object' if len(bad) == 1 else 'objects'}"
+        )
+    return record
+
+
+def _read_status(path: Path, notes: list[str]) -> dict:
+    """status.json as a mapping; {} when absent, or unreadable (with a note)."""
+    status = read_status(path)
+    if status is None and (path / STATUS_FILE).exists():
+        notes.append(f"{STATUS_FILE} unreadable: not valid JSON")
+    elif status is not None and not isinstance(status, dict):
+        notes.append(f"{STATUS_FILE} unreadable: {_json_kind(status)}, not an object")
+    return _obj(status)
 
 
 def _relative_name(path: Path, root: Path) -> str:
@@ -176,20 +238,17 @@ def _relative_name(path: Path, root: Path) -> str:
 
 
 def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
-    record: dict = {}
-    try:
-        record = json.loads((path / "run_config.json").read_text())
-    except (OSError, ValueError):
-        pass
-    status_record = read_status(path) or {}
+    notes: list[str] = []
+    record = _read_record(path, notes)
+    status_record = _read_status(path, notes)
     overrides = _load_yaml(path / ".hydra" / "overrides.yaml")
     if not isinstance(overrides, list):
-        overrides = list(status_record.get("overrides") or [])
-    hydra_cfg = _load_yaml(path / ".hydra" / "hydra.yaml") or {}
-    hydra = hydra_cfg.get("hydra", {}) if isinstance(hydra_cfg, dict) else {}
-    choices = {k: v for k, v in ((hydra.get("runtime") or {}).get("choices") or {}).items() if v is not None}
-    control = ((hydra.get("callbacks") or {}).get("report") or {}).get("control")
-    columns, rows = _read_metrics(path / "metrics.csv")
+        overrides = status_record.get("overrides")
+        overrides = overrides if isinstance(overrides, list) else []
+    hydra = _obj(_obj(_load_yaml(path / ".hydra" / "hydra.yaml")).get("hydra"))
+    choices = {k: v for k, v in _obj(_obj(hydra.get("runtime")).get("choices")).items() if v is not None}
+    control = _obj(_obj(hydra.get("callbacks")).get("report")).get("control")
+    columns, rows = _read_metrics(path / "metrics.csv", notes)
 
     sweep_dir = find_sweep_dir(path)
     if sweep_dir is None:
@@ -203,7 +262,7 @@ def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
     status, error, inferred = status_record.get("status"), status_record.get("error"), False
     if not isinstance(status, str) or not status:
         # Runs written before status.json existed: finished when the last logged step is the last step.
-        steps = (record.get("config") or {}).get("trainer", {}).get("steps")
+        steps = _dig(record.get("config"), "trainer.steps")
         last = max((r.get("step", math.nan) for r in rows), default=math.nan)
         status = FINISHED if steps is not None and last == steps else RUNNING
         inferred = True
@@ -215,11 +274,12 @@ def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
         error=error,
         overrides=[str(o) for o in overrides],
         choices={str(k): str(v) for k, v in choices.items()},
-        control=control or sweep.control,
+        control=(control if isinstance(control, str) else None) or sweep.control,
         sweep=sweep,
         columns=columns,
         rows=rows,
         status_inferred=inferred,
+        unreadable=notes,
     )
 
 
