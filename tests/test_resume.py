@@ -485,6 +485,12 @@ def test_resume_from_a_path_continues_another_runs_checkpoint(small_run, tmp_pat
         _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
     with pytest.raises(UserError, match="no such|holds no checkpoint"):
         _train_in_process(tmp_path / "x", *SMALL, f"trainer.resume={tmp_path / 'nowhere'}")
+    # the other run's last step: nothing to train here (not "complete", which this directory never was)
+    with pytest.raises(
+        UserError, match="at step 4 = trainer.steps: nothing to train .* allowed: trainer.steps > 4"
+    ):
+        _train_in_process(tmp_path / "y", *SMALL, f"trainer.resume={small_run}")
+    assert not (tmp_path / "y").exists()
 
 
 def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(small_run, tmp_path, caplog):
@@ -510,6 +516,22 @@ def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(small
         _train_in_process(run_dir, *SMALL)
     assert "truncated" in caplog.text
     assert_same_run(run_dir, small_run)
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_left_alone(small_run, tmp_path):
+    """Not restarted from step 0 over its history: exit 2, nothing changed, the way out named."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    for payload in (run_dir / "checkpoints").glob("step_*/model_optim.pt"):
+        payload.write_bytes(payload.read_bytes()[:100])
+    before = _tree_digest(run_dir)
+    with pytest.raises(
+        UserError, match="none of its 2 checkpoints verifies .* trainer.resume=never run.over"
+    ):
+        _train_in_process(run_dir, *SMALL, "trainer.steps=6")
+    assert _tree_digest(run_dir) == before
 
 
 # ----------------------------------------------------------------------------------------- guards

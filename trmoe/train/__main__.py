@@ -138,7 +138,13 @@ def main() -> None:
             sys.exit(2)
         raise
     except Exception as e:
-        if user_asked or not _is_composition_error(e):
+        if user_asked:
+            raise
+        if isinstance(e, OSError) and not _task_started:  # Hydra making the run or sweep directory
+            why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
+            print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
+            sys.exit(2)
+        if not _is_composition_error(e):
             raise
         print(f"trmoe: {compose_error(e)}", file=sys.stderr)
         sys.exit(2)

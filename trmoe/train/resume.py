@@ -439,6 +439,14 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
         if info is None:
             if not held:
                 return plan
+            dirs = store.step_dirs()
+            if dirs:  # complete checkpoints, all damaged: never train over them from step 0
+                raise UserError(
+                    f"run directory {run_dir}: none of its {len(dirs)} checkpoints verifies (newest "
+                    f"{dirs[-1][1].name}; the reasons are logged above); resume from a good copy with "
+                    "trainer.resume=<checkpoint>, or start over: trainer.resume=never run.overwrite=true "
+                    "(nothing was changed)"
+                )
             if previous is None or "config" not in previous:
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
@@ -486,6 +494,11 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
         raise UserError(
             f"config error: trainer.steps={t.steps}: the checkpoint {info.path} is at step {info.step}; "
             f"allowed: >= {info.step}"
+        )
+    if plan.external and info.step == t.steps:
+        raise UserError(
+            f"trainer.resume={how}: the checkpoint is at step {info.step} = trainer.steps: nothing to train "
+            f"in {run_dir}; allowed: trainer.steps > {info.step} to continue it (nothing was changed)"
         )
     plan.mode = "complete" if info.step == t.steps else "resume"
     return plan
