@@ -155,6 +155,16 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     assert list(tmp_path.rglob("*")) == []
 
 
+def test_cli_a_file_in_the_way_of_the_run_directory(tmp_path: Path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "mine").write_text("keep\n")
+    result = run_cli(["run.name=mine", "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "trmoe: cannot create the run directory runs/mine: a file is in the way"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["mine", "runs"]
+    assert (tmp_path / "runs" / "mine").read_text() == "keep\n"
+
+
 def test_cli_cfg_job_and_help(tmp_path: Path):
     result = run_cli(["--cfg", "job", "model=100m", "attention=mha"], cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
