@@ -99,6 +99,8 @@ CROSS_FIELD_ERRORS = [
     # `+key=value` adds a key even to a structured config; converting it would silently drop it
     (["+trainer.stepz=3"], "trainer.stepz: trainer has no such key; did you mean steps?"),
     (["+foo=bar"], "foo: the config has no such key"),
+    (["run.name=../escape"], "run.name='../escape': must name a directory inside runs/"),
+    (["run.name=/tmp/x"], "run.name='/tmp/x'"),
 ]
 
 

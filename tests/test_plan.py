@@ -243,7 +243,7 @@ def test_throughput_gives_the_eta_and_mfu():
     [
         (["model=tiny", "--tokens", "-5"], "--tokens"),
         (["model=tiny", "--tokens", "abc"], "--tokens"),
-        (["model=tiny", "--world", "0"], "--world"),
+        (["model=tiny", "--world", "0"], "--world: '0' is not a positive whole number; allowed: e.g. 8, 64"),
         (["model=tiny", "--mfu", "2", "--peak-tflops", "989"], "--mfu"),
         (["model=tiny", "--mfu", "0.4"], "--peak-tflops"),
         (["model=tiny", "--tok-s", "5", "--mfu", "0.4"], "one throughput"),

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, run_cli
 
 # Two steps of a tiny model on random tokens: a real run directory in well under a second.
 TINY = [
@@ -43,13 +42,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def _report(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trmoe.report", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(list(args), cwd=cwd, timeout=120, module="trmoe.report")
 
 
 def _files(root: Path) -> dict[str, bytes]:

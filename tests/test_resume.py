@@ -384,7 +384,7 @@ def test_mismatch_exits_2_from_the_cli(small_run, tmp_path):
     assert _tree_digest(small_run) == before
 
 
-def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path):
+def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path, caplog):
     """Cadences, the run name and how the global batch is split may change; trainer.steps too when the
     schedules' past stays the same. A changed horizon that would bend the past LR is refused."""
     import shutil
@@ -396,6 +396,7 @@ def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path):
         _train_in_process(run_dir, *SMALL, "trainer.steps=8")  # the cosine horizon moves: refused
     assert _tree_digest(run_dir) == before
     (run_dir / "checkpoints" / "step_00000004").rename(run_dir / "checkpoints" / "gone")
+    caplog.set_level("WARNING", logger="trmoe")
     _train_in_process(
         run_dir,
         *SMALL,
@@ -410,6 +411,7 @@ def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path):
     changes = rc["resumes"][-1]["volatile_changes"]
     assert changes["trainer.micro_batch"] == [4, 2] and changes["trainer.log_every"] == [1, 2]
     assert rc["resumes"][-1]["forced"] == {} and load_checkpoint(run_dir)["step"] == 4
+    assert "the held-out set changes from 8 to 4 windows" in caplog.text  # eval_batches x micro_batch
 
 
 def test_force_resume_continues_and_is_recorded(small_run, tmp_path):

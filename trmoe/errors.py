@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class UserError(Exception):
     """Bad input from the user (config, file, override). The message is one line that names
@@ -15,3 +17,12 @@ class RunFailed(Exception):
     is one line saying why and which checkpoint holds the last good state; the app exits with code 3."""
 
     exit_code = 3
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stops a directory from being made at `path`: `path` itself or the nearest existing
+    parent, when it is not a directory; None when the directory exists or can be made."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trmoe.bench.common import Parser, positive_int, record, run_cli
+from trmoe.errors import file_in_the_way
 
 
 def _median_s(fn, reps: int, warmup: int = 1) -> float:
@@ -185,7 +186,7 @@ def _worker_counts(text: str) -> list[int]:
 def _scratch_dir(text: str) -> Path:
     """argparse type of --dir: a directory, or a path where one can be made (no file on the way)."""
     path = Path(text)
-    if not all(p.is_dir() for p in (path, *path.parents) if p.exists()):
+    if file_in_the_way(path) is not None:
         raise argparse.ArgumentTypeError(f"{text!r} is a file or lies under one; allowed: a directory path")
     return path
 

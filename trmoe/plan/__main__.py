@@ -51,7 +51,7 @@ def parse(argv: list[str] | None):
     if bad:
         raise UserError(f"plan: unknown option {bad[0]}; allowed: see python -m trmoe.plan --help")
     tokens = parse_count("--tokens", args.tokens) if args.tokens is not None else None
-    world = parse_count("--world", args.world) if args.world is not None else None
+    world = parse_count("--world", args.world, "8, 64") if args.world is not None else None
     rates = [n for n in ("tok_s", "tok_s_per_gpu", "mfu") if getattr(args, n) is not None]
     if len(rates) > 1:
         given = ", ".join("--" + n.replace("_", "-") for n in rates)

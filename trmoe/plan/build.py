@@ -28,7 +28,7 @@ from trmoe.errors import UserError
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
-def parse_count(option: str, text: str) -> int:
+def parse_count(option: str, text: str, examples: str = "20e9, 20B, 500M") -> int:
     """'20e9', '20B', '500M', '2.5T', '1_000_000' -> a positive integer (K/M/B(=G)/T are powers of 1000)."""
     raw = text.strip().replace("_", "").replace(",", "")
     scale = SUFFIXES.get(raw[-1:].upper(), 1) if raw else 1
@@ -39,7 +39,7 @@ def parse_count(option: str, text: str) -> int:
     except InvalidOperation:
         value = None
     if value is None or not value.is_finite() or value <= 0 or value != value.to_integral_value():
-        raise UserError(f"{option}: {text!r} is not a positive whole number; allowed: e.g. 20e9, 20B, 500M")
+        raise UserError(f"{option}: {text!r} is not a positive whole number; allowed: e.g. {examples}")
     return int(value)
 
 

@@ -140,14 +140,14 @@ def main() -> None:
     except Exception as e:
         if user_asked:
             raise
+        if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too
+            print(f"trmoe: {compose_error(e)}", file=sys.stderr)
+            sys.exit(2)
         if isinstance(e, OSError) and not _task_started:  # Hydra making the run or sweep directory
             why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
             print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
             sys.exit(2)
-        if not _is_composition_error(e):
-            raise
-        print(f"trmoe: {compose_error(e)}", file=sys.stderr)
-        sys.exit(2)
+        raise
     finally:
         if not user_asked:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -25,7 +25,7 @@ SCHEMA_VERSION = 1
 METRIC_COLUMNS = (
     "step",
     "tokens",
-    "train_loss",  # pure cross-entropy of the step's batch (mean over its tokens)
+    "train_loss",  # pure cross-entropy, mean over the tokens of the steps since the last row
     "train_ppl",
     "train_objective",  # what was optimised: smoothed CE + z-loss term
     "eval_train_loss",  # pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)

@@ -485,6 +485,7 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
     plan.checkpoint = info
     plan.stored_view = _stored_view(info.meta)
     plan.diff = compare(plan.stored_view, view, data_only=False)
+    _warn_if_eval_set_changes(plan.stored_view, view)
     if plan.diff.critical:
         _mismatch(plan.diff, info.path, force=t.force_resume)
         plan.forced = plan.diff.as_record()
@@ -502,6 +503,23 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
         )
     plan.mode = "complete" if info.step == t.steps else "resume"
     return plan
+
+
+def _warn_if_eval_set_changes(stored: dict[str, Any], view: dict[str, Any]) -> None:
+    """The held-out set is the first eval_batches x micro_batch windows (docs/data.md): both keys may change
+    on resume, but then eval_loss before and after is measured on different windows. Say so."""
+    keys = ("trainer.eval_batches", "trainer.micro_batch")
+    try:
+        before, after = (stored[keys[0]] * stored[keys[1]], view[keys[0]] * view[keys[1]])
+    except (KeyError, TypeError):
+        return
+    if before != after:
+        log.warning(
+            "the held-out set changes from %s to %s windows (trainer.eval_batches x trainer.micro_batch): "
+            "eval_loss before and after this resume is measured on different windows",
+            before,
+            after,
+        )
 
 
 def _stored_config(meta: dict[str, Any]) -> Config | None:
