@@ -238,18 +238,7 @@ def test_ffn_formula_gates_scales_and_weights():
     expected = 3.0 * 0.5 * swiglu(x, ffn.shared.w_in, ffn.shared.w_out) + 0.25 * 2.0 * _naive_routed(
         ffn.routed, x, ids
     )
-    # both ways of summing the branches: the routed rows added into the shared output, or on their own
-    for fold in (True, False):
-        ffn.fold_routed = fold
-        xg = x.clone().requires_grad_()
-        torch.testing.assert_close(ffn(xg, ids), expected)
-        ffn(xg, ids).pow(2).sum().backward()
-        grads = [xg.grad, *(p.grad.clone() for p in ffn.parameters())]
-        ffn.zero_grad(set_to_none=True)
-        if fold:
-            folded = grads
-    for a, b in zip(folded, grads, strict=True):
-        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ffn(x, ids), expected)
     assert route_weights(2, 0.7) == [0.7, pytest.approx(0.3)]
     assert route_weights(3, 0.5) == [0.5, 0.25, 0.25]
 

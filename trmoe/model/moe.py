@@ -337,10 +337,6 @@ class TRMoEFFN(nn.Module):
         self.shared_gate = nn.Parameter(torch.tensor(float(shared_gate_init))) if gated else None
         self.routed_gate = nn.Parameter(torch.tensor(float(routed_gate_init))) if gated else None
         self.shared_scale, self.routed_scale = shared_scale, routed_scale  # fixed, not trained
-        # The routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of their
-        # own, no extra add: ~2% of a panel-A FFN on CPU). Expert telemetry turns it off, to see the routed
-        # branch's output on its own.
-        self.fold_routed = True
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -350,12 +346,9 @@ class TRMoEFFN(nn.Module):
         if self.shared is not None:
             y = self.shared(x, _factor(self.shared_scale, self.shared_gate))
         if self.routed is not None:
-            factor = _factor(self.routed_scale, self.routed_gate)
-            if y is not None and self.fold_routed:
-                y = self.routed(x, token_ids, factor, into=y)
-            else:
-                r = self.routed(x, token_ids, factor)
-                y = r if y is None else y + r
+            # the routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of
+            # their own, no extra add: ~2% of a panel-A FFN on CPU)
+            y = self.routed(x, token_ids, _factor(self.routed_scale, self.routed_gate), into=y)
         return y.reshape(shape)
 
 

@@ -19,8 +19,9 @@ shards (the replicated gates count on rank 0 alone) and `collect` adds those par
 all-reduce, so every rank gets the figures of one process.
 
 Cost: nothing when off (no hooks, no counters, no reductions). When on: per forward and layer one
-bincount and two sums of squares on the device, at each log step one all-reduce (under DDP or FSDP) and
-one copy to the host. Only training forwards are counted (evaluation and checkpoint recomputation are not).
+bincount, a copy of the shared output and two sums of squares on the device, at each log step one
+all-reduce (under DDP or FSDP) and one copy to the host. Only training forwards are counted (evaluation and
+checkpoint recomputation are not).
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ class MoETelemetry:
             if ffn.shared is not None:
                 self._handles.append(ffn.shared.register_forward_hook(partial(self._shared_hook, layer)))
             if ffn.routed is not None:
-                ffn.fold_routed = False  # the hook needs the routed branch's own output
                 self._handles.append(ffn.routed.register_forward_hook(partial(self._routed_hook, layer)))
+        # The FFN sums its routed rows into the shared output in place (moe.py), so the routed hook sees
+        # shared + routed: the routed part is that minus a copy of the shared output, taken as it is made.
+        # Watching must not change what is computed (the same floating-point sums, telemetry on or off).
+        self._shared_out: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def recording(self):
@@ -90,8 +94,7 @@ class MoETelemetry:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for ffn in self.ffns:
-            ffn.fold_routed = True
+        self._shared_out.clear()
 
     @torch.compiler.disable
     def _shared_hook(self, layer: int, module, inputs, output) -> None:
@@ -100,6 +103,8 @@ class MoETelemetry:
         # the output already carries the branch's gate x scale (folded into its output weight)
         self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=torch.float64)
         self.numel[layer, 0] += output.numel()
+        if self.ffns[layer].routed is not None:  # the routed rows are added into this very tensor next
+            self._shared_out[layer] = output.detach().clone()
 
     @torch.compiler.disable
     def _routed_hook(self, layer: int, module, inputs, output) -> None:
@@ -109,8 +114,12 @@ class MoETelemetry:
         routes = module.route_table[:, token_ids.reshape(-1)].reshape(-1).long()
         self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).double()
         # the routed module's output already carries the branch's gate x scale (folded into its activation)
-        self.sumsq[layer, 1] += output.detach().pow(2).sum(dtype=torch.float64)
-        self.numel[layer, 1] += output.numel()
+        routed = output.detach()
+        shared = self._shared_out.pop(layer, None)
+        if shared is not None:  # shared + routed, summed in place: the routed part to rounding (~1e-7)
+            routed = routed - shared.view_as(routed)
+        self.sumsq[layer, 1] += routed.pow(2).sum(dtype=torch.float64)
+        self.numel[layer, 1] += routed.numel()
 
     @torch.no_grad()
     def grad_norms(self) -> torch.Tensor:
