@@ -593,7 +593,7 @@ def test_spike_rollback_recomputes_and_skips_the_offending_batch(monkeypatch, tm
     step-5 checkpoint, recomputes step 6, skips batch 7 and goes on. The result equals a run that simply
     skipped batch 7 (here: NaN at step 7), bit for bit."""
     spike = [*GUARDED, "checkpoint.every_steps=5", "guard.spike_factor=2", "guard.spike_window=3"]
-    spike.append("guard.spike_policy=rollback")
+    spike += ["guard.spike_policy=rollback", "telemetry.moe=true"]
     reference = tmp_path / "skip7"
     with monkeypatch.context() as m:
         _inject(m, at={7}, factor=float("nan"))
@@ -612,6 +612,33 @@ def test_spike_rollback_recomputes_and_skips_the_offending_batch(monkeypatch, tm
         for column in ("train_loss", "train_objective", "eval_loss", "lr", "grad_norm", "skipped_steps"):
             assert ra[column] == rb[column], (ra["step"], column)
     assert rows_a[-1]["loss_spikes"] == "1" and rows_b[-1]["loss_spikes"] == "0"
+    # telemetry.csv is rewound with metrics.csv: one row per layer per logged step, the replayed ones once
+    with open(run_dir / "telemetry.csv") as f:
+        keys = [(int(r["step"]), int(r["layer"])) for r in csv.DictReader(f)]
+    assert keys == [(int(r["step"]), layer) for r in rows_a[1:] for layer in (0, 1)]
+
+
+def test_resume_between_log_steps_keeps_the_telemetry_window(tmp_path):
+    """The checkpoint at step 2 falls inside the window logged at step 3: its telemetry counters travel
+    with the checkpoint, so the resumed run writes the uninterrupted run's telemetry, row for row."""
+    import shutil
+
+    overrides = ["checkpoint.every_steps=2", "checkpoint.keep_last=0", "telemetry.moe=true"]
+    overrides += ["trainer.steps=6", "trainer.log_every=3", "trainer.eval_every=0"]  # rows at 1, 3, 6
+    whole = tmp_path / "whole"
+    _train_in_process(whole, *overrides)
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(whole, run_dir)
+    for step in (4, 6):
+        shutil.rmtree(run_dir / "checkpoints" / f"step_0000000{step}")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    _train_in_process(run_dir, *overrides)
+    assert "=== resume from step 2" in (run_dir / "train.log").read_text()
+    assert (run_dir / "telemetry.csv").read_text() == (whole / "telemetry.csv").read_text()
+    columns = ("expert_imbalance", "expert_dead", "shared_rms", "routed_rms", "train_loss")
+    assert [[r[c] for c in columns] for r in _rows(run_dir)] == [
+        [r[c] for c in columns] for r in _rows(whole)
+    ]
 
 
 def test_persistent_spikes_stop_after_max_rollbacks(monkeypatch, tmp_path):

@@ -155,6 +155,15 @@ class TrainingControls:
         if self.telemetry is not None and log_step:
             self._grad_sq = self.telemetry.grad_norms()
 
+    def rewind(self, step: int) -> None:
+        """A rollback to the checkpoint of `step`: telemetry.csv loses its later rows, the window its counts
+        (the checkpoint's are loaded next, by `resume.restore`)."""
+        self._grad_sq = None
+        if self.telemetry is not None:
+            self.telemetry.reset()
+        if self._telemetry_writer is not None:
+            self._telemetry_writer.rewind(step)
+
     def log_columns(self, step: int) -> dict[str, Any]:
         """Extra metrics columns of a logged step (writes the telemetry.csv rows of the window)."""
         row: dict[str, Any] = dict(self._group_lrs.row()) if self._group_lrs is not None else {}

@@ -276,6 +276,7 @@ def _train(
             data=data,
             window=window,
             window_totals=distributed.window_totals(window),
+            telemetry=controls.telemetry.state_dict() if controls.telemetry is not None else None,
             guard=guard,
             train_time=train_time,
             eval_loss=eval_loss,
@@ -310,8 +311,16 @@ def _train(
         carry = guard.rollback_carry(step)
         state = store.load(target, model=model, optimizer=optimizer)
         optimizer.zero_grad(set_to_none=True)
+        controls.rewind(target.step)
         resume.restore(
-            state, data=data, window=window, guard=guard, load_data=True, rank=rank, world_size=world_size
+            state,
+            data=data,
+            window=window,
+            guard=guard,
+            load_data=True,
+            telemetry=controls.telemetry,
+            rank=rank,
+            world_size=world_size,
         )
         guard.apply_carry(carry)
         metrics.rewind(target.step)
@@ -330,7 +339,14 @@ def _train(
     if plan.mode == "resume":
         state = store.load(plan.checkpoint, model=model, optimizer=optimizer)
         resume.restore(  # data: in check_data
-            state, data=data, window=window, guard=guard, load_data=False, rank=rank, world_size=world_size
+            state,
+            data=data,
+            window=window,
+            guard=guard,
+            load_data=False,
+            telemetry=controls.telemetry,
+            rank=rank,
+            world_size=world_size,
         )
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
         log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)

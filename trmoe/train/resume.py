@@ -212,12 +212,14 @@ def capture(
     data,
     window,
     window_totals: dict[str, Any],
+    telemetry: dict[str, Any] | None,
     guard,
     train_time: float,
     eval_loss: float,
 ) -> dict[str, Any]:
     """This rank's part of a checkpoint besides model and optimizer. `window_totals`: the metrics window
-    summed over ranks (distributed.window_totals)."""
+    summed over ranks (distributed.window_totals); `telemetry`: the expert telemetry's open window, likewise
+    summed (MoETelemetry.state_dict), or None when it is off."""
     return {
         "version": STATE_VERSION,
         "step": step,
@@ -227,6 +229,7 @@ def capture(
         "rng": rng_state(),
         "window": window.state_dict(),
         "window_totals": window_totals,
+        "telemetry": telemetry,
         "guard": guard.state_dict(),
         "train_time": train_time,
         "eval_loss": eval_loss,
@@ -234,7 +237,15 @@ def capture(
 
 
 def restore(
-    state: dict[str, Any], *, data, window, guard, load_data: bool, rank: int = 0, world_size: int = 1
+    state: dict[str, Any],
+    *,
+    data,
+    window,
+    guard,
+    load_data: bool,
+    telemetry=None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> None:
     if state.get("version") != STATE_VERSION:
         raise CheckpointError(f"train state version {state.get('version')}; this trmoe reads {STATE_VERSION}")
@@ -253,6 +264,8 @@ def restore(
             }
         )
     guard.load_state_dict(state["guard"])
+    if telemetry is not None and state.get("telemetry") is not None:  # on then and now: its open window
+        telemetry.load_state_dict(state["telemetry"], rank)
     set_rng_state(state["rng"])  # last: nothing after it may draw
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from trmoe.train.parallel import is_dtensor, shard_region
-from trmoe.train.records import _fmt
+from trmoe.train.records import _fmt, trim_csv
 
 LAYER_COLUMNS = (
     "step",
@@ -90,6 +90,34 @@ class MoETelemetry:
             yield
         finally:
             self._recording = False
+
+    def _packed(self) -> torch.Tensor:
+        return torch.cat([self.counts.flatten(), self.sumsq.flatten(), self.numel.flatten()])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open window's counters summed over ranks (one all-reduce when distributed): a checkpoint
+        taken between two logged steps, resumed with any number of ranks, logs the same next row."""
+        packed = self._packed()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed)
+        return {"window": packed.cpu().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        """The saved window on rank 0 (`collect` sums the ranks), zeros elsewhere."""
+        self.reset()
+        if rank == 0:
+            packed = torch.tensor(state["window"], dtype=torch.float64, device=self.counts.device)
+            layers, e = len(self.ffns), self.num_experts
+            self.counts.copy_(packed[: layers * e].view(layers, e))
+            self.sumsq.copy_(packed[layers * e : layers * (e + 2)].view(layers, 2))
+            self.numel.copy_(packed[layers * (e + 2) :].view(layers, 2))
+
+    def reset(self) -> None:
+        """An empty window (a rollback's replay starts one at the checkpoint's step)."""
+        self.counts.zero_()
+        self.sumsq.zero_()
+        self.numel.zero_()
+        self._shared_out.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -161,11 +189,8 @@ class MoETelemetry:
         Under DDP the counters are summed over ranks here: one all-reduce per log row, nothing else (under
         FSDP the same one also sums the ranks' parts of `grad_sq`)."""
         layers, e = len(self.ffns), self.num_experts
-        pieces = [self.counts.flatten(), self.sumsq.flatten(), self.numel.flatten()]
         partial = grad_sq is not None and self._sharded
-        if partial:
-            pieces.append(grad_sq.flatten())
-        packed = torch.cat(pieces)
+        packed = torch.cat([self._packed(), grad_sq.flatten()]) if partial else self._packed()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
         packed = packed.cpu()
@@ -175,9 +200,7 @@ class MoETelemetry:
         if partial:
             grad_sq = packed[layers * (e + 4) :].view(layers, 2 + e)
         grads = grad_sq.cpu().sqrt() if grad_sq is not None else None
-        self.counts.zero_()
-        self.sumsq.zero_()
-        self.numel.zero_()
+        self.reset()
 
         rows = []
         for layer, ffn in enumerate(self.ffns):
@@ -238,6 +261,7 @@ class TelemetryWriter:
     """telemetry.csv: one row per layer per logged step, flushed as written."""
 
     def __init__(self, path: Path, num_experts: int):
+        self.path = path
         self.columns = telemetry_columns(num_experts)
         # a resumed run continues its file (trmoe.train.resume trimmed it to the checkpoint's step)
         append = path.is_file() and _first_line(path) == ",".join(self.columns)
@@ -254,6 +278,13 @@ class TelemetryWriter:
                 raise KeyError(f"unknown telemetry columns: {sorted(unknown)}")
             self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
         self._file.flush()
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after `step` (a rollback to that step's checkpoint) and go on appending."""
+        self._file.close()
+        trim_csv(self.path, step)
+        self._file = open(self.path, "a", newline="")
+        self._writer = csv.writer(self._file)
 
     def close(self) -> None:
         self._file.close()
