@@ -414,6 +414,29 @@ def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path, caplog):
     assert "the held-out set changes from 8 to 4 windows" in caplog.text  # eval_batches x micro_batch
 
 
+def test_a_finished_run_extends_with_its_horizon_pinned(small_run, tmp_path):
+    """docs/training.md: trainer.steps=8 alone moves the cosine horizon (refused above); with the old one
+    pinned (optimizer.decay_steps=4; warmup is pinned in BASE) the past is unchanged and the run goes on,
+    at the LR floor, without force_resume."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    _train_in_process(run_dir, *SMALL, "trainer.steps=6", "optimizer.decay_steps=4")
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    assert rc["force_resumed"] is False and rc["resumes"][-1]["volatile_changes"][
+        "optimizer.decay_steps"
+    ] == [
+        None,
+        4,
+    ]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows[:5]] == [r["step"] for r in _rows(small_run)]
+    assert float(rows[-1]["lr"]) == pytest.approx(3e-3 * rc["config"]["optimizer"]["min_lr_ratio"])
+    with pytest.raises(UserError, match="lr_mult at step 4 would change"):  # a pin that bends the past
+        _train_in_process(run_dir, *SMALL, "trainer.steps=8", "optimizer.decay_steps=5")
+
+
 def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     import shutil
 
@@ -435,7 +458,7 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["force_resumed"] is True
     forced = rc["resumes"][-1]["forced"]
-    assert forced["optimizer.decay_steps"] == [None, 4] and forced["optimizer.lr"] == [0.003, 0.006]
+    assert forced["optimizer.lr"] == [0.003, 0.006] and "optimizer.decay_steps" not in forced
     state = load_checkpoint(run_dir)
     assert state["step"] == 6
     assert [int(r["step"]) for r in _rows(run_dir)] == [0, 1, 2, 3, 4, 5, 6]

@@ -58,6 +58,8 @@ STEP_CSVS = ("telemetry.csv",)  # other per-step records, trimmed like metrics.c
 VOLATILE_KEYS = (
     "run.*",  # name, progress display, overwrite
     "trainer.steps",  # extend or shorten a run (the schedules' past must stay the same: see _check_schedules)
+    "optimizer.decay_steps",  # pin the old horizon to extend a run: _check_schedules refuses any change
+    "optimizer.warmup_steps",  # that would bend the LR of the steps already run
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.eval_batches",
