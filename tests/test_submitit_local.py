@@ -106,14 +106,18 @@ def _training(run_dir: Path) -> bool:
     return metrics.is_file() and metrics.read_text().count("\n") >= 3  # header, step 0, step 1
 
 
-def test_ranks_of_a_submitit_local_task(monkeypatch):
+@pytest.mark.parametrize("inherited", [False, True])
+def test_ranks_of_a_submitit_local_task(monkeypatch, inherited):
     """A task of a 2-task submitit_local job is rank SUBMITIT_LOCAL_GLOBALID of 2, and stays a submitit rank
-    after its ranks are exported as the env:// (torchrun) variables."""
+    after its ranks are exported as the env:// (torchrun) variables — also when the job inherited stale
+    torchrun variables from the shell that submitted it (sbatch and the local executor pass them on)."""
     saved = dict(os.environ)
     monkeypatch.setattr(distributed, "_exported_by_submitit", False)
     try:
-        for key in (*distributed.TORCHRUN_VARS, "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        for key in (*distributed.TORCHRUN_VARS, "MASTER_PORT", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
             os.environ.pop(key, None)
+        if inherited:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost")
         os.environ.update(
             SUBMITIT_EXECUTOR="local",
             SUBMITIT_LOCAL_JOB_ID="4242",

@@ -51,14 +51,19 @@ def detect() -> DistEnv:
     """The distributed environment of this process. Starts nothing; a submitit job's ranks are exported
     as the env:// variables that init_process_group reads."""
     global _exported_by_submitit
-    if all(k in os.environ for k in TORCHRUN_VARS):
+    submitit_job = bool(os.environ.get("SUBMITIT_EXECUTOR"))
+    # In a submitit job, torchrun's variables count only when a torchrun really started this process (its
+    # run id) or this process exported them itself: a job inherits the submitting shell's environment, and
+    # stale RANK/WORLD_SIZE from there made every task a lone single-process run of the same directory.
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or _exported_by_submitit or not submitit_job
+    if torchrun and all(k in os.environ for k in TORCHRUN_VARS):
         return DistEnv(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             local_rank=int(os.environ["LOCAL_RANK"]),
             source=_launcher(),
         )
-    if os.environ.get("SUBMITIT_EXECUTOR"):
+    if submitit_job:
         from submitit.helpers import TorchDistributedEnvironment
 
         env = TorchDistributedEnvironment()
