@@ -506,10 +506,15 @@ def test_resume_from_a_path_continues_another_runs_checkpoint(small_run, tmp_pat
     assert_same_run(new, small_run)
     rc = json.loads((new / "run_config.json").read_text())
     assert rc["resumes"][-1]["checkpoint"] == str(ckpt.resolve())
-    with pytest.raises(UserError, match="already holds a run"):
-        _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
+    with pytest.raises(UserError, match="already holds a run"):  # another starting point: refused
+        _train_in_process(new, *SMALL, f"trainer.resume={small_run / 'checkpoints' / 'step_00000004'}")
     with pytest.raises(UserError, match="no such|holds no checkpoint"):
         _train_in_process(tmp_path / "x", *SMALL, f"trainer.resume={tmp_path / 'nowhere'}")
+    # the same command again, as a requeued job relaunches it: the fork goes on from its own checkpoint
+    # (here its last: nothing to do), never back to the one it started from
+    before = _tree_digest(new)
+    _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
+    assert _tree_digest(new) == before and load_checkpoint(new)["step"] == 4
     # the other run's last step: nothing to train here (not "complete", which this directory never was)
     with pytest.raises(
         UserError, match="at step 4 = trainer.steps: nothing to train .* allowed: trainer.steps > 4"

@@ -446,8 +446,8 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
             )
         plan.overwrite = bool(held)
         return plan
-    if cfg.run.overwrite:
-        log.warning("run.overwrite=true only applies with trainer.resume=never; trainer.resume=%s", how)
+    if cfg.run.overwrite and how == "auto":
+        log.warning("run.overwrite=true applies with trainer.resume=never or <path>, not with auto")
 
     if how == "auto":
         info = store.newest_good()
@@ -485,7 +485,16 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
         except CheckpointError as e:
             raise UserError(f"trainer.resume={how}: {e}") from None
         plan.external = info.path.resolve().parent != store.directory.resolve()
-        if plan.external and held:
+        if plan.external and held and _started_from(previous, info) and not cfg.run.overwrite:
+            # The same command again (a requeued job): this directory already continues that checkpoint.
+            own = store.newest_good()
+            if own is not None:
+                log.info("%s already continues %s: resuming its own newest checkpoint", run_dir, info.path)
+                info, plan.external = own, False
+            else:  # stopped before its first checkpoint: nothing of its own to keep, start it again
+                log.warning("%s continues %s, no checkpoint of its own: starting again", run_dir, info.path)
+                plan.overwrite = True
+        elif plan.external and held:
             if not cfg.run.overwrite:
                 raise UserError(
                     f"trainer.resume={how}: run directory {run_dir} already holds a run ({', '.join(held)}); "
@@ -518,6 +527,12 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
         )
     plan.mode = "complete" if info.step == t.steps else "resume"
     return plan
+
+
+def _started_from(previous: dict[str, Any] | None, info: CheckpointInfo) -> bool:
+    """Whether the run a directory holds was started (trainer.resume=<path>) from this checkpoint."""
+    where = str(info.path.resolve())
+    return any(entry.get("checkpoint") == where for entry in (previous or {}).get("resumes", []))
 
 
 def _warn_if_eval_set_changes(stored: dict[str, Any], view: dict[str, Any]) -> None:
