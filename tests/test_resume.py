@@ -445,6 +445,10 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     before = _tree_digest(run_dir)
     with pytest.raises(UserError, match="cannot change the model's tensors"):  # not even with force
         _train_in_process(run_dir, *SMALL, "model.shared_width=128", "trainer.force_resume=true")
+    # nor how the optimizer groups them: its saved state loads group by group (a scheduled gate leaves it)
+    for change in ("model.shared_gate_final=0.5", "optimizer.decay_embedding=true", "optimizer=stosignsgd"):
+        with pytest.raises(UserError, match="cannot change how the optimizer groups the parameters"):
+            _train_in_process(run_dir, *SMALL, change, "trainer.force_resume=true")
     assert _tree_digest(run_dir) == before
     _train_in_process(
         run_dir,

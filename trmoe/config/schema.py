@@ -187,7 +187,7 @@ class OptimizerConfig:
 
     name: OptimizerName = OptimizerName.adamw  # adamw | muon_tr | stosignsgd
     lr: float = 1e-3  # peak learning rate of the base group
-    beta1: float = 0.9  # AdamW first-moment decay
+    beta1: float = 0.9  # AdamW first-moment decay; StoSignSGD's momentum
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # matrices only; norms, gates and other 1-D tensors are never decayed

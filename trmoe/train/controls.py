@@ -56,6 +56,16 @@ def is_log_step(step: int, cfg: Config) -> bool:
     return is_eval or step == 1 or step % t.log_every == 0
 
 
+def freeze_scheduled_gates(model: nn.Module, schedules) -> None:
+    """A scheduled gate follows its schedule: it is not learned, and the optimizer does not see it."""
+    for block in model.blocks:
+        ffn = block.ffn
+        if schedules.shared_gate is not None and ffn.shared_gate is not None:
+            ffn.shared_gate.requires_grad_(False)
+        if schedules.routed_gate is not None and ffn.routed_gate is not None:
+            ffn.routed_gate.requires_grad_(False)
+
+
 class TrainingControls:
     def __init__(self, cfg: Config, model: nn.Module, device: torch.device):
         """Call after the model is built and before the optimizer is (scheduled gates stop being
@@ -66,14 +76,9 @@ class TrainingControls:
         model.activation_checkpointing = t.activation_checkpointing
         model.sparse_embedding_grad = device.type == "cpu"  # summed into the tied head's dense gradient
         for block in model.blocks:
-            ffn = block.ffn
-            if ffn.shared is not None:
-                ffn.shared.chunk_tokens = t.shared_chunk_tokens
-            # A scheduled gate follows its schedule: it is not learned.
-            if self.schedules.shared_gate is not None and ffn.shared_gate is not None:
-                ffn.shared_gate.requires_grad_(False)
-            if self.schedules.routed_gate is not None and ffn.routed_gate is not None:
-                ffn.routed_gate.requires_grad_(False)
+            if block.ffn.shared is not None:
+                block.ffn.shared.chunk_tokens = t.shared_chunk_tokens
+        freeze_scheduled_gates(model, self.schedules)
         self.loss_backend = check_controls(cfg, device)
         # under autocast the tied head's GEMMs run in the autocast dtype too (fp32 softmax and dW sums)
         self.loss_fn = training_loss(cfg.loss, self.loss_backend, autocast_dtype(cfg.hardware, device))

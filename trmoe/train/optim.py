@@ -169,6 +169,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     return _adamw(groups, cfg, device)
 
 
+def group_layout(model: nn.Module, cfg: OptimizerConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """(optimizer:group, its parameters' names) of every group `build_optimizer` would make, in order: what
+    a saved optimizer state must match to load into it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups, muon_groups = split_param_groups(model, cfg, muon=cfg.name == OptimizerName.muon_tr)
+    return [
+        (f"{cfg.name.value}:{g['name']}", tuple(names[id(p)] for p in g["params"]))
+        for g in (*muon_groups, *groups)
+    ]
+
+
 def optimizer_kind(optimizer, group: dict) -> str:
     """Which update rule a group gets: adamw, muon or stosignsgd."""
     if isinstance(optimizer, OptimizerSet):

@@ -561,27 +561,47 @@ def _stored_config(meta: dict[str, Any]) -> Config | None:
 
 
 def _check_shapes(info: CheckpointInfo, cfg: Config) -> None:
-    """force_resume may change hyper-parameters, not the tensors the checkpoint holds: compare the state-dict
-    shapes of both models (built on the meta device: no memory) before anything is written."""
+    """force_resume may change hyper-parameters, not the tensors the checkpoint holds nor how the optimizer
+    groups them (its saved state loads group by group): compare both models' state-dict shapes and optimizer
+    groups (built on the meta device: no memory) before anything is written."""
     from trmoe.config.resolve import model_spec
     from trmoe.model.transformer import TRMoETransformer
+    from trmoe.train.controls import freeze_scheduled_gates
+    from trmoe.train.optim import group_layout
+    from trmoe.train.schedule import build_schedules
 
     stored = _stored_config(info.meta)
     if stored is None:
         return
 
-    def shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    def layout(config: Config) -> tuple[dict[str, tuple[int, ...]], list]:
         with torch.device("meta"):
             model = TRMoETransformer(model_spec(config))
-        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        freeze_scheduled_gates(model, build_schedules(config))
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}, group_layout(
+            model, config.optimizer
+        )
 
-    old, new = shapes(stored), shapes(cfg)
+    (old, old_groups), (new, new_groups) = layout(stored), layout(cfg)
     if old != new:
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
         raise UserError(
             f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
             f"{info.path} (e.g. {changed[0]}: {old.get(changed[0])} -> {new.get(changed[0])}); "
             "(nothing was changed)"
+        )
+    if old_groups != new_groups:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(old_groups, new_groups, strict=False)) if a != b),
+            min(len(old_groups), len(new_groups)),
+        )
+        was = old_groups[first][0] if first < len(old_groups) else "none"
+        now = new_groups[first][0] if first < len(new_groups) else "none"
+        what = f"{was} -> {now}" if was != now else f"{was} holds other parameters"
+        raise UserError(
+            f"trainer.force_resume=true cannot change how the optimizer groups the parameters (its saved "
+            f"state loads group by group): {len(old_groups)} groups in {info.path}, {len(new_groups)} now; "
+            f"group {first}: {what} (nothing was changed)"
         )
 
 
