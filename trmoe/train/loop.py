@@ -295,6 +295,19 @@ def _train(
         last_saved = step
         return True
 
+    def restore(state: dict, *, load_data: bool) -> None:
+        """This rank's train state from a checkpoint: window, guard, telemetry window, RNG (and data)."""
+        resume.restore(
+            state,
+            data=data,
+            window=window,
+            guard=guard,
+            load_data=load_data,
+            telemetry=controls.telemetry,
+            rank=rank,
+            world_size=world_size,
+        )
+
     def rollback(step: int, reason: str) -> int:
         """Back to the newest good checkpoint; the replay skips batch `step`. Returns the checkpoint step."""
         nonlocal train_time, eval_loss, last_saved
@@ -312,16 +325,7 @@ def _train(
         state = store.load(target, model=model, optimizer=optimizer)
         optimizer.zero_grad(set_to_none=True)
         controls.rewind(target.step)
-        resume.restore(
-            state,
-            data=data,
-            window=window,
-            guard=guard,
-            load_data=True,
-            telemetry=controls.telemetry,
-            rank=rank,
-            world_size=world_size,
-        )
+        restore(state, load_data=True)
         guard.apply_carry(carry)
         metrics.rewind(target.step)
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], target.step
@@ -338,16 +342,7 @@ def _train(
 
     if plan.mode == "resume":
         state = store.load(plan.checkpoint, model=model, optimizer=optimizer)
-        resume.restore(  # data: in check_data
-            state,
-            data=data,
-            window=window,
-            guard=guard,
-            load_data=False,
-            telemetry=controls.telemetry,
-            rank=rank,
-            world_size=world_size,
-        )
+        restore(state, load_data=False)  # the data cursor: loaded by plan.check_data
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
         log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)
     else:
