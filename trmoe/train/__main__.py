@@ -138,12 +138,12 @@ def main() -> None:
             sys.exit(2)
         raise
     except Exception as e:
-        if user_asked:
+        if user_asked or _task_started:  # a failure of the job itself keeps its traceback
             raise
         if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too
             print(f"trmoe: {compose_error(e)}", file=sys.stderr)
             sys.exit(2)
-        if isinstance(e, OSError) and not _task_started:  # Hydra making the run or sweep directory
+        if isinstance(e, OSError):  # Hydra making the run or sweep directory
             why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
             print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
             sys.exit(2)
