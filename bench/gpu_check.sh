@@ -8,7 +8,8 @@
 #   3. training steps with MFU against the datasheet bf16 peak: the 300m target configuration (liger loss,
 #      torch.compile) at micro-batch 32 x 2048, then 100m and 300m eager and 300m compiled at 8 x 2048;
 #   4. ffn grouped by expert, dispatch, the loss backends' memory at 4k-32k tokens;
-#   5. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back.
+#   5. a short end-to-end training run (hardware=cuda) whose metrics.csv comes back;
+#   6. the planner's memory estimate against the measured peaks of real steps (bench/plan_memory.py).
 # Packages the machine lacks (hydra-core, omegaconf, liger-kernel, ...) are taken from PYTHONPATH.
 set -uo pipefail
 OUT=${OUT:-bench/gpu_out}
@@ -39,5 +40,9 @@ step() { echo; echo "== $* ($(date +%T))"; }
   TRMOE_RUN_DIR=/tmp/trmoe_gpu_run timeout 90 $PY -m trmoe.train model=tiny hardware=cuda loss=auto \
     trainer.steps=60 trainer.micro_batch=16 trainer.seq_len=512 trainer.eval_every=30 run.progress=log
   cp /tmp/trmoe_gpu_run/metrics.csv "$OUT/metrics.csv" 2>/dev/null
+  step "the planner's memory estimate against measured peaks (docs/distributed.md)"
+  timeout 120 $PY bench/plan_memory.py "model=100m trainer.micro_batch=8 trainer.seq_len=1024" \
+    "model=300m trainer.micro_batch=8 trainer.seq_len=2048 optimizer=muon_tr" \
+    "model=1b trainer.micro_batch=4 trainer.seq_len=2048"
   step done
 } 2>&1 | tee "$OUT/gpu_check.log"
