@@ -10,22 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from conftest import FAST_CPU, compose_config, run_cli
 
 # Two steps of a tiny model on random tokens: a real run directory in well under a second.
-TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "trainer.steps=2",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "trainer.eval_every=0",
-    "trainer.log_every=1",
-    "run.progress=log",
-]
+TINY = [*FAST_CPU, "trainer.steps=2", "trainer.micro_batch=2", "trainer.eval_every=0", "trainer.log_every=1"]
 
 
 @pytest.fixture(scope="module")

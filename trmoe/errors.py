@@ -26,3 +26,11 @@ def file_in_the_way(path: Path) -> Path | None:
         if candidate.exists():
             return None if candidate.is_dir() else candidate
     return None
+
+
+def require_directory(path: Path, option: str, allowed: str) -> None:
+    """UserError naming `option` unless a directory exists at `path` or can be made there."""
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        where = "it" if blocker == path else str(blocker)
+        raise UserError(f"{option} {path}: {where} is a file, not a directory; allowed: {allowed}")

@@ -32,7 +32,7 @@ from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
-from trmoe.errors import UserError, file_in_the_way
+from trmoe.errors import UserError, require_directory
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK_DOCS = 512  # documents per worker task
@@ -298,12 +298,7 @@ def _check_args(eval_fraction: float, workers: int, separator: str | None, text_
 
 def _check_out(out: Path) -> None:
     """--out must be a directory, or not exist yet below one; train/ and eval/ in it directories if there."""
-    blocker = file_in_the_way(out)
-    if blocker is not None:
-        raise UserError(
-            f"--out {out}: {'it' if blocker == out else blocker} is a file, not a directory; allowed: a new "
-            "or existing directory (the dataset directory that gets train/ and eval/)"
-        )
+    require_directory(out, "--out", "a new or existing directory (the dataset directory of train/ and eval/)")
     for part in PARTITIONS:
         if (out / part).exists() and not (out / part).is_dir():
             raise UserError(

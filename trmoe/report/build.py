@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trmoe.errors import UserError, file_in_the_way
+from trmoe.errors import UserError, require_directory
 from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
@@ -254,13 +254,11 @@ def default_folder(paths: list[Path]) -> Path:
 
 def check_folder(folder: Path) -> None:
     """The report folder (--out) must be a directory, or not exist yet below one: never a file."""
-    blocker = file_in_the_way(folder)
-    if blocker is not None:
-        raise UserError(
-            f"report: --out {folder}: {'it' if blocker == folder else blocker} is a file, not a directory; "
-            "allowed: a directory (new or existing) that report.md, report.csv, report_pairs.csv and plots/ "
-            "are written into"
-        )
+    require_directory(
+        folder,
+        "report: --out",
+        "a directory (new or existing) for report.md, report.csv, report_pairs.csv and plots/",
+    )
 
 
 def parse_peak(text: str | float | None) -> float | None:
