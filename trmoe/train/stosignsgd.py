@@ -84,13 +84,3 @@ class StoSignSGD(torch.optim.Optimizer):
                     w.mul_(1.0 - lr * wd)
                 w.add_(update, alpha=-lr)
         return loss
-
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["seed"] = self.seed
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        self.seed = state_dict.pop("seed", self.seed)
-        super().load_state_dict(state_dict)
