@@ -504,7 +504,11 @@ def test_run_directory_is_never_overwritten_without_run_overwrite(small_run, tmp
 def test_resume_from_a_path_continues_another_runs_checkpoint(small_run, tmp_path):
     """trainer.resume=<checkpoint> into a new run directory: metrics up to the checkpoint are carried over
     and the result equals the uninterrupted run."""
-    ckpt = small_run / "checkpoints" / "step_00000002"
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(small_run, source)
+    ckpt = source / "checkpoints" / "step_00000002"
     new = tmp_path / "fork"
     _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
     assert_same_run(new, small_run)
@@ -515,7 +519,8 @@ def test_resume_from_a_path_continues_another_runs_checkpoint(small_run, tmp_pat
     with pytest.raises(UserError, match="no such|holds no checkpoint"):
         _train_in_process(tmp_path / "x", *SMALL, f"trainer.resume={tmp_path / 'nowhere'}")
     # the same command again, as a requeued job relaunches it: the fork goes on from its own checkpoint
-    # (here its last: nothing to do), never back to the one it started from
+    # (here its last: nothing to do), never back to the one it started from, even once that is gone
+    shutil.rmtree(ckpt)
     before = _tree_digest(new)
     _train_in_process(new, *SMALL, f"trainer.resume={ckpt}")
     assert _tree_digest(new) == before and load_checkpoint(new)["step"] == 4

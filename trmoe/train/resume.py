@@ -282,6 +282,7 @@ class Plan:
     checkpoint: CheckpointInfo | None = None
     external: bool = False  # the checkpoint lives in another run directory
     overwrite: bool = False  # delete the run the directory holds first (resume=never run.overwrite=true)
+    requested: str | None = None  # trainer.resume=<path> as given, resolved (a requeue gives it again)
     diff: ConfigDiff = field(default_factory=ConfigDiff)
     forced: dict[str, list[Any]] = field(default_factory=dict)  # critical differences force_resume let pass
     previous: dict[str, Any] | None = None  # the directory's run_config.json
@@ -380,6 +381,7 @@ class Plan:
                     "mode": self.mode,
                     "from_step": self.start_step,
                     "checkpoint": None if self.checkpoint is None else str(self.checkpoint.path.resolve()),
+                    "requested": self.requested,
                     "volatile_changes": self.diff.as_record("volatile"),
                     "forced": self.forced,  # training-critical differences continued with force_resume
                 }
@@ -480,28 +482,30 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
             return plan
     else:
         path = Path(how).expanduser()
-        try:
-            info = store.verify(resolve_checkpoint(path))
-        except CheckpointError as e:
-            raise UserError(f"trainer.resume={how}: {e}") from None
-        plan.external = info.path.resolve().parent != store.directory.resolve()
-        if plan.external and held and _started_from(previous, info) and not cfg.run.overwrite:
-            # The same command again (a requeued job): this directory already continues that checkpoint.
-            own = store.newest_good()
-            if own is not None:
-                log.info("%s already continues %s: resuming its own newest checkpoint", run_dir, info.path)
-                info, plan.external = own, False
-            else:  # stopped before its first checkpoint: nothing of its own to keep, start it again
-                log.warning("%s continues %s, no checkpoint of its own: starting again", run_dir, info.path)
+        plan.requested = str(path.resolve())
+        # The same command again (a requeued job) in a directory that already continues <path>: its own
+        # progress comes first, whatever became of <path> since (pruned, or a run directory that moved on).
+        again = held and not cfg.run.overwrite and _started_from(previous, plan.requested)
+        own = store.newest_good() if again else None
+        if own is not None:
+            log.info("%s already continues %s: resuming its own newest checkpoint", run_dir, how)
+            info = own
+        else:
+            try:
+                info = store.verify(resolve_checkpoint(path))
+            except CheckpointError as e:
+                raise UserError(f"trainer.resume={how}: {e}") from None
+            plan.external = info.path.resolve().parent != store.directory.resolve()
+            if plan.external and held:
+                if again:  # stopped before its first checkpoint: nothing of its own to keep
+                    log.warning("%s continues %s, no checkpoint of its own: starting again", run_dir, how)
+                elif not cfg.run.overwrite:
+                    raise UserError(
+                        f"trainer.resume={how}: run directory {run_dir} already holds a run "
+                        f"({', '.join(held)}); continue another run's checkpoint in a new run.name, or add "
+                        "run.overwrite=true (nothing was changed)"
+                    )
                 plan.overwrite = True
-        elif plan.external and held:
-            if not cfg.run.overwrite:
-                raise UserError(
-                    f"trainer.resume={how}: run directory {run_dir} already holds a run ({', '.join(held)}); "
-                    "continue another run's checkpoint in a new run.name, or add run.overwrite=true "
-                    "(nothing was changed)"
-                )
-            plan.overwrite = True
 
     pointer = read_pointer(store.directory)
     if how == "auto" and pointer not in (None, info.path.name):
@@ -529,10 +533,9 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
     return plan
 
 
-def _started_from(previous: dict[str, Any] | None, info: CheckpointInfo) -> bool:
-    """Whether the run a directory holds was started (trainer.resume=<path>) from this checkpoint."""
-    where = str(info.path.resolve())
-    return any(entry.get("checkpoint") == where for entry in (previous or {}).get("resumes", []))
+def _started_from(previous: dict[str, Any] | None, requested: str) -> bool:
+    """Whether the run a directory holds was launched with this trainer.resume=<path> before."""
+    return any(entry.get("requested") == requested for entry in (previous or {}).get("resumes", []))
 
 
 def _warn_if_eval_set_changes(stored: dict[str, Any], view: dict[str, Any]) -> None:
