@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CONF_DIR, compose_config, run_cli
+from conftest import CONF_DIR, FAST_CPU, compose_config, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
@@ -100,6 +101,8 @@ CROSS_FIELD_ERRORS = [
     (["+trainer.stepz=3"], "trainer.stepz: trainer has no such key; did you mean steps?"),
     (["+foo=bar"], "foo: the config has no such key"),
     (["run.name=../escape"], "run.name='../escape': must name a directory inside runs/"),
+    # a gate schedule where no gates exist (one branch): it would be silently ignored
+    (["model.routed_width=0", "model.shared_gate_final=0.5"], "shared_gate_final=0.5: there are no gates"),
     (["run.name=/tmp/x"], "run.name='/tmp/x'"),
 ]
 
@@ -155,6 +158,22 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     assert len(lines) == 1 and lines[0].startswith("trmoe: config error: ") and needle in lines[0], lines
     assert "Traceback" not in result.stderr
     assert list(tmp_path.rglob("*")) == []
+
+
+def test_cli_sweeps_the_pre_check_cannot_expand_are_left_to_hydra(tmp_path: Path):
+    """The sweep pre-check composes the packaged tree; a glob() sweep and a grid from --config-dir go to
+    Hydra as before (they ran a job each, no refusal)."""
+    extra = tmp_path / "extra" / "experiment"
+    extra.mkdir(parents=True)
+    (extra / "mine.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.seed: 7\n"
+    )
+    tiny = [*FAST_CPU, "trainer.steps=1", "trainer.micro_batch=2", "hydra.sweep.dir=sweep"]
+    for args in (["-m", "model=glob(tin*)"], ["--config-dir", str(tmp_path / "extra"), "experiment=mine"]):
+        result = run_cli([*args, *tiny], cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (tmp_path / "sweep" / "0" / "status.json").is_file()
+        shutil.rmtree(tmp_path / "sweep")
 
 
 def test_cli_a_file_in_the_way_of_the_run_directory(tmp_path: Path):

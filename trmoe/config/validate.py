@@ -273,13 +273,15 @@ def _validate_training_controls(cfg: Config) -> None:
         if not 0.0 <= r.primary_weight_final <= 1.0:
             _fail("routing.primary_weight_final", r.primary_weight_final, "must be in [0, 1]")
     _fraction(r.primary_weight_ramp, "routing.primary_weight_ramp")
-    for branch, width in (("shared", m.shared_width), ("routed", m.routed_width)):
+    gated = m.gates and m.shared_width > 0 and m.routed_width > 0  # gates weigh two branches (moe.py)
+    for branch in ("shared", "routed"):
         value = getattr(m, f"{branch}_gate_final")
-        if value is not None and (not m.gates or width == 0):
+        if value is not None and not gated:
             _fail(
                 f"model.{branch}_gate_final",
                 value,
-                f"there is no {branch} gate (model.gates=false or model.{branch}_width=0); allowed: null",
+                "there are no gates (model.gates=false, or a branch is absent: shared_width or routed_width "
+                "is 0); allowed: null",
             )
     _fraction(m.gate_ramp, "model.gate_ramp")
 

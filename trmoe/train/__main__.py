@@ -114,6 +114,8 @@ def _check_sweep(argv: list[str]) -> None:
     args, _ = get_args_parser().parse_known_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.run:
         return
+    if args.config_dir or args.config_path or args.config_name:
+        return  # another config tree than the packaged one: Hydra composes it (and reports its errors)
     if not args.multirun and not any(o.startswith("experiment=") for o in args.overrides):
         return  # only a grid (experiment=...) switches to a sweep by itself
     jobs, multirun = sweep_jobs(args.overrides)
@@ -130,6 +132,8 @@ def main() -> None:
     except UserError as e:
         print(f"trmoe: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception:  # a sweep the check cannot expand itself (e.g. glob()): Hydra does it
+        pass
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _app()

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from trmoe.errors import UserError
+
 log = logging.getLogger("trmoe")
 
 FORMAT_VERSION = 1
@@ -420,7 +422,14 @@ class CheckpointStore:
 
                 set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
             else:
-                model.load_state_dict(state["model"], strict=True)
+                try:
+                    model.load_state_dict(state["model"], strict=True)
+                except RuntimeError as e:  # e.g. written by another trmoe version: other parameters
+                    detail = " ".join(str(e).split("\n\t")[1:2]).strip() or str(e).splitlines()[0]
+                    raise UserError(
+                        f"checkpoint {info.path} does not fit this model ({detail[:200]}); resume it with "
+                        "the trmoe version that wrote it (no step was trained)"
+                    ) from None
             if optimizer is not None:
                 optimizer.load_state_dict(state["optimizer"])
                 _shard_like_params(optimizer)
