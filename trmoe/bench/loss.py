@@ -28,7 +28,7 @@ def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
     """One loss path, forward and backward, through the loss backends the train loop uses."""
     from trmoe.config.schema import LossConfig
     from trmoe.train.loss import full_logits_ce
-    from trmoe.train.loss_backend import training_loss
+    from trmoe.train.loss_backend import resolve_backend, training_loss
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -42,9 +42,11 @@ def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if kind == "full":
-        fn = full_logits_ce
+        fn, backend = full_logits_ce, "full"
     else:
-        fn = training_loss(LossConfig(chunk_tokens=chunk), LossBackend(kind))
+        cfg = LossConfig(chunk_tokens=chunk, backend=LossBackend(kind))
+        backend = resolve_backend(cfg, dev).value  # auto: as a run on this device resolves it
+        fn = training_loss(cfg, LossBackend(backend))
     start = time.perf_counter()
     (fn(h, w, y).total / tokens).backward()
     if dev.type == "cuda":
@@ -55,7 +57,7 @@ def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
     elapsed = time.perf_counter() - start
     # the gradients of h and W are outputs every path must hold: not counted as the loss's extra memory
     grads = h.numel() * h.element_size() + w.numel() * w.element_size()
-    return {"seconds": elapsed, "extra_peak_bytes": peak - base - grads, "device": device}
+    return {"seconds": elapsed, "extra_peak_bytes": peak - base - grads, "device": device, "backend": backend}
 
 
 def run(

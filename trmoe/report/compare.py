@@ -67,7 +67,7 @@ def _launch(run: Run) -> tuple[tuple, str]:
     if run.sweep.path == run.path:
         return (run.name,), run.name
     parent = str(Path(run.name).parent)  # the multirun directory as the report names its runs
-    return (str(run.sweep.path),), parent if parent != "." else run.sweep.path.name
+    return (str(run.sweep.path.resolve()),), parent if parent != "." else run.sweep.path.name
 
 
 def group_arms(runs: list[Run]) -> list[Arm]:

@@ -97,8 +97,10 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         mfu = statistics.median(recorded) if recorded else None
     if mfu is None and median_tok_s is not None:
         flops, peak = flops_per_token(run), peak_flops(run, peak_override)
+        world = run.record.get("world_size")
+        world = world if isinstance(world, int) and world > 0 else 1  # a garbled record: as one device
         if flops and peak:  # tok/s is the whole job's, the peak one device's
-            mfu = median_tok_s / (run.record.get("world_size") or 1) * flops / peak
+            mfu = median_tok_s / world * flops / peak
 
     tokens = run.series("tokens")
     params = run.record.get("params") or {}
