@@ -148,8 +148,9 @@ def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
 
 
 def window_totals(window) -> dict[str, float | int]:
-    """The metrics window summed over ranks (one all-reduce when distributed): what a checkpoint keeps for a
-    resume with another number of ranks, whose own shares of the window would not add up to it."""
+    """The metrics window summed over ranks (one all-reduce when distributed): what a log row's means are
+    taken from, and what a checkpoint keeps for a resume with another number of ranks, whose own shares of
+    the window would not add up to it."""
     ce, objective, tokens = all_reduce_sum(window.ce, window.objective, torch.tensor(float(window.tokens)))
     return {
         "ce": float(ce),
@@ -201,7 +202,7 @@ def window_means(window) -> tuple[float, float]:
     """records.MetricsWindow.means() over all ranks: sums of CE, objective and tokens, then the means."""
     if not active():
         return window.means()
-    ce, obj, tokens = all_reduce_sum(window.ce, window.objective, torch.tensor(float(window.tokens)))
-    if tokens.item() == 0:
+    totals = window_totals(window)
+    if totals["tokens"] == 0:
         return math.nan, math.nan
-    return (ce / tokens).item(), (obj / tokens).item()
+    return totals["ce"] / totals["tokens"], totals["objective"] / totals["tokens"]
