@@ -104,7 +104,15 @@ CROSS_FIELD_ERRORS = [
     # a gate schedule where no gates exist (one branch): it would be silently ignored
     (["model.routed_width=0", "model.shared_gate_final=0.5"], "shared_gate_final=0.5: there are no gates"),
     (["run.name=/tmp/x"], "run.name='/tmp/x'"),
+    # expert ids live in an int16 table: 0..32767
+    (["model.num_experts=32769", "model.routed_width=32769"], "num_experts=32769: must be at most 32768"),
+    (["routing.hash_count=9"], "routing.hash_count=9: must be between 1 and 8"),
 ]
+
+
+def test_the_largest_expert_count_the_route_table_holds_is_accepted():
+    cfg = to_config(compose_config("model.num_experts=32768", "model.routed_width=32768"))
+    assert cfg.model.num_experts == 32768
 
 
 @pytest.mark.parametrize(("overrides", "key"), CROSS_FIELD_ERRORS)

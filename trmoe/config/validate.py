@@ -18,6 +18,7 @@ from trmoe.config.schema import (
     SpikePolicy,
 )
 from trmoe.errors import UserError
+from trmoe.model.routing import MAX_EXPERTS, MAX_HASH_COUNT
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -96,8 +97,8 @@ def validate(cfg: Config) -> None:
             m.routed_width,
             f"must be a multiple of model.num_experts={m.num_experts} (each expert gets routed_width / E)",
         )
-    if m.num_experts > 32767:
-        _fail("model.num_experts", m.num_experts, "must be at most 32767")
+    if m.num_experts > MAX_EXPERTS:
+        _fail("model.num_experts", m.num_experts, f"must be at most {MAX_EXPERTS}")
     if m.init_std <= 0:
         _fail("model.init_std", m.init_std, "must be > 0")
     if m.norm_eps <= 0:
@@ -110,8 +111,8 @@ def validate(cfg: Config) -> None:
         _fail("routing.top_k", r.top_k, f"must be between 1 and model.num_experts={m.num_experts}")
     if not 0.0 <= r.primary_weight <= 1.0:
         _fail("routing.primary_weight", r.primary_weight, "must be in [0, 1]")
-    if not 1 <= r.hash_count <= 8:
-        _fail("routing.hash_count", r.hash_count, "must be between 1 and 8")
+    if not 1 <= r.hash_count <= MAX_HASH_COUNT:
+        _fail("routing.hash_count", r.hash_count, f"must be between 1 and {MAX_HASH_COUNT}")
 
     _positive(t, "trainer", "steps", "micro_batch", "seq_len", "grad_accum", "log_every", "eval_batches")
     if t.seq_len > m.max_seq_len:
