@@ -86,6 +86,12 @@ def test_same_config_gives_identical_metrics(tmp_path):
     wa = load_checkpoint(tmp_path / "a" / "checkpoints")["model"]
     wb = load_checkpoint(tmp_path / "b" / "checkpoints")["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # and trainer.seed is what sets them: another seed, another initialisation (its step-0 eval differs)
+    train(compose_config(*FAST, "trainer.steps=6", "trainer.log_every=1", "trainer.seed=1"), tmp_path / "c")
+    rows_c = _rows(tmp_path / "c")
+    assert rows_c[0]["step"] == rows_a[0]["step"] == "0" and rows_c[0]["eval_loss"] != rows_a[0]["eval_loss"]
+    wc = load_checkpoint(tmp_path / "c" / "checkpoints")["model"]
+    assert not torch.equal(wa["embed.weight"], wc["embed.weight"])
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
@@ -111,14 +117,23 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
 
 
 def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
-    train(
-        compose_config(
-            *FAST, "trainer.steps=2", "trainer.log_every=1", "loss.label_smoothing=0.1", "loss.z_loss=1e-3"
-        ),
-        tmp_path / "r",
-    )
-    row = _rows(tmp_path / "r")[1]
-    assert float(row["train_objective"]) > float(row["train_loss"]) + 0.1
+    def run(name: str, *loss: str) -> tuple[list[dict], dict]:
+        train(compose_config(*FAST, "trainer.steps=2", "trainer.log_every=1", *loss), tmp_path / name)
+        return _rows(tmp_path / name), load_checkpoint(tmp_path / name / "checkpoints")["model"]
+
+    plain, w_plain = run("plain")
+    z, w_z = run("z", "loss.z_loss=1e-3")
+    smooth, w_smooth = run("smooth", "loss.label_smoothing=0.3")
+    # step 1: the same initial weights and batch, so the same cross-entropy in all three runs
+    ce = float(plain[1]["train_loss"])
+    assert float(z[1]["train_loss"]) == float(smooth[1]["train_loss"]) == ce
+    assert float(plain[1]["train_objective"]) == ce
+    # untrained logits are ~0, so log Z ~ ln V and the z-loss term is c (ln V)^2 = 1e-3 x 149
+    assert float(z[1]["train_objective"]) - ce == pytest.approx(1e-3 * math.log(200_019) ** 2, rel=0.02)
+    # smoothing's term (the mean of -log p over the vocabulary) ~ CE at initialisation, so the objective
+    # cannot show it there; its gradient is another: the weights after the first update differ
+    for trained in (w_z, w_smooth):
+        assert not torch.equal(trained["embed.weight"], w_plain["embed.weight"])
 
 
 def test_existing_run_directory_is_never_overwritten(tmp_path):
