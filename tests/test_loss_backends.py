@@ -133,13 +133,23 @@ def test_liger_run_on_cpu_stops_before_writing_anything(tmp_path):
 
 
 @NEEDS_TORCH_LCE
-def test_run_records_the_backend_and_torch_trains_like_chunked(tmp_path):
+def test_run_records_the_backend_and_torch_trains_like_chunked(tmp_path, monkeypatch):
+    calls = []
+    real = F.linear_cross_entropy
+
+    def spy(*args, **kwargs):  # counts the calls, which the recorded config alone cannot show
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "linear_cross_entropy", spy)
     losses = {}
     for backend in ("chunked", "torch"):
         train(
             compose_config(*FAST, f"loss={backend}", "trainer.steps=3", "trainer.log_every=1"),
             tmp_path / backend,
         )
+        # the torch backend runs every training step's loss (eval is always the exact chunked path)
+        assert len(calls) == (3 if backend == "torch" else 0), backend
         rc = json.loads((tmp_path / backend / "run_config.json").read_text())
         assert rc["controls"]["loss_backend"] == backend
         assert rc["config"]["loss"]["backend"] == backend
