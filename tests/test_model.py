@@ -379,3 +379,33 @@ def test_model_compiles_to_one_graph_in_bf16(strategy, mode):
     out.float().square().mean().backward()  # outside autocast, as the train loop does
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+def test_routing_and_scale_options_reach_every_layer():
+    """What the config says is what each layer holds: its route table is the one of (strategy, vocab, E,
+    K, layer, routing.seed, routing.hash_count), its scales the depth interpolation of the model keys."""
+    from trmoe.model.routing import build_route_table
+
+    overrides = ("model.vocab_size=512", "routing=multi_hash", "routing.top_k=2")
+    base = dict(seed=0, hash_count=2)
+    for seed, hash_count in ((0, 2), (7, 2), (0, 3)):
+        cfg = to_config(
+            compose_config(
+                *overrides,
+                f"routing.seed={seed}",
+                f"routing.hash_count={hash_count}",
+                "model.shared_scale=0.5",
+                "model.routed_scale=1.0",
+                "model.routed_scale_last=2.0",
+            )
+        )
+        model = TRMoETransformer(model_spec(cfg))
+        layers = len(model.blocks)
+        for layer, block in enumerate(model.blocks):
+            expected = build_route_table("multi_hash", 512, 4, 2, layer, seed, hash_count)
+            assert torch.equal(block.ffn.routed.route_table, expected), (seed, hash_count, layer)
+            assert block.ffn.shared_scale == 0.5
+            assert block.ffn.routed_scale == pytest.approx(1.0 + layer / (layers - 1))
+        if (seed, hash_count) != tuple(base.values()):  # each key changes the tables it names
+            default = build_route_table("multi_hash", 512, 4, 2, 1, **base)
+            assert not torch.equal(model.blocks[1].ffn.routed.route_table, default)
