@@ -576,8 +576,24 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_left_alone(small_run, tmp_pa
 # ----------------------------------------------------------------------------------------- guards
 
 
-def _inject(monkeypatch, *, at: set[int], factor: float, once: bool = False) -> None:
-    """Multiply the loss of the steps in `at` by `factor` (NaN, or a spike) inside this process."""
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward, gradient x factor backward: a fault in the gradient behind a finite loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _inject(
+    monkeypatch, *, at: set[int], factor: float, once: bool = False, gradient_only: bool = False
+) -> None:
+    """Multiply the loss of the steps in `at` by `factor` (NaN, or a spike) inside this process; with
+    `gradient_only`, only its gradient (the logged losses stay finite)."""
     from trmoe.train.controls import TrainingControls
 
     begin, loss = TrainingControls.begin_step, TrainingControls.loss
@@ -592,6 +608,8 @@ def _inject(monkeypatch, *, at: set[int], factor: float, once: bool = False) -> 
         step = seen["step"]
         if step in at and not (once and step in seen["hit"]):
             seen["hit"].add(step)
+            if gradient_only:
+                return type(sums)(_ScaleGradient.apply(sums.total, factor), sums.ce, sums.z, sums.tokens)
             return type(sums)(sums.total * factor, sums.ce * factor, sums.z, sums.tokens)
         return sums
 
@@ -608,8 +626,11 @@ GUARDED = [
 ]
 
 
-def test_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(monkeypatch, tmp_path):
-    _inject(monkeypatch, at={6}, factor=float("nan"))
+@pytest.mark.parametrize("gradient_only", [False, True], ids=["nan-loss", "nan-gradient-finite-loss"])
+def test_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(
+    monkeypatch, tmp_path, gradient_only
+):
+    _inject(monkeypatch, at={6}, factor=float("nan"), gradient_only=gradient_only)
     run_dir = tmp_path / "r"
     _train_in_process(run_dir, *GUARDED)
     ckpts = run_dir / "checkpoints"
