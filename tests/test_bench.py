@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_cli
 
 from trmoe.bench import dispatch, ffn, step
 from trmoe.bench.common import LayerBench, layer_args
@@ -146,3 +147,31 @@ def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):
     assert line["tr_over_dense_rounds"][0] == pytest.approx(line["tr_over_dense_tok_s"])
     assert tr["tok_s"] == pytest.approx(32 / sum(tr["split_s"].values()))
     assert 0 < tr["mfu"] == pytest.approx(tr["achieved_flops"] / line["peak_flops"])
+
+
+def test_loss_measures_each_backend_in_its_own_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
+    args = ["loss", "--tokens", "64", "--hidden", "16", "--chunk", "32", "--kinds", "chunked", "full"]
+    out = run_cli(args, tmp_path, timeout=300, module="trmoe.bench")
+    assert out.returncode == 0, out.stderr[-2000:]
+    chunked, full = (json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert (chunked["kind"], chunked["backend"], full["kind"]) == ("chunked", "chunked", "full")
+    assert chunked["chunked_bound_bytes"] == 2 * 32 * 200_019 * 4 and chunked["seconds"] > 0
+    # the full path holds the [64, V] fp32 logits and their gradient at once; the chunked one 32 rows
+    assert full["extra_peak_bytes"] > 2 * 64 * 200_019 * 4 > chunked["extra_peak_bytes"]
+
+
+def test_data_times_reads_prepare_and_the_stream(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
+    args = ["data", "--shard-mb", "1", "--text-mb", "1", "--reps", "1", "--micro-batch", "2"]
+    args += ["--seq-len", "64", "--workers", "0,1", "--dir", str(tmp_path / "scratch")]
+    out = run_cli(args, tmp_path, timeout=300, module="trmoe.bench")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = (json.loads(text) for text in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert line["bench"] == "data" and line["shard"]["shard_tokens"] == 2**20 // 4
+    assert set(line["prepare"]["prepare"]) == set(line["stream"]) == {"0", "1"}
+    assert all(r["tokens_per_s"] > 0 for r in line["stream"].values())
+    prepared = line["prepare"]
+    assert prepared["tokens"] > 0 and set(prepared["pool_start_s"]) == {"1"}
+    for r in prepared["prepare"].values():  # each rate is the tokens prepared over its own time
+        assert r["tokens_per_s"] * r["seconds"] == pytest.approx(prepared["tokens"])
