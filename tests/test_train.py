@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,8 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
             "data.text_path=corpus.txt",
             "data.eval_fraction=0.2",
             "trainer.steps=3",
-            "run.name=textrun",
+            "attention=mha",
+            "routing=random",
             "trainer.seq_len=16",
             "trainer.micro_batch=2",
             *FAST[4:],
@@ -173,10 +175,12 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
         cwd=corpus.parent,
     )
     assert result.returncode == 0, result.stderr
-    run_dir = corpus.parent / "runs" / "textrun"
+    # no run.name: the default one, runs/<model>-<attention>-<routing>-<date>-<time>
+    (run_dir,) = (corpus.parent / "runs").iterdir()
+    assert re.fullmatch(r"tiny-mha-random-\d{8}-\d{6}", run_dir.name), run_dir.name
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["data"]["path"] == str(corpus.resolve())
-    assert rc["run_name"] == "textrun"
+    assert rc["run_name"] == run_dir.name
     assert (run_dir / ".hydra" / "overrides.yaml").read_text().count("data=text") == 1
     assert "step 3/3" in result.stdout  # plain log lines when stdout is not a terminal
 
