@@ -131,6 +131,95 @@ def test_muon_has_no_warmup_of_its_own():
     assert 0.6 < rms / (lr * 0.2) < 1.3
 
 
+# A reference Muon written from docs/optimizers.md (not from trmoe/train/muon.py), in float64:
+#   B <- beta B + (1 - beta) G;   U = (1 - beta) G + beta B (nesterov) or U = B
+#   every matrix slice U_s: X = U_s / ||U_s||_F (transposed first if it has more rows than columns), then
+#   ns_steps times  A = X X^T;  X <- a X + (b A + c A^2) X,  (a, b, c) = (3.4445, -4.7750, 2.0315)
+#   O_s = X * update_rms * sqrt(max(rows_s, cols_s));   W <- W (1 - lr wd) - lr O
+DOC_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def _ns_reference(m: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = DOC_NS_COEFFS
+    tall = m.shape[0] > m.shape[1]
+    x = m.T if tall else m
+    x = x / torch.linalg.matrix_norm(x, ord="fro")
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def _muon_direction_reference(u: torch.Tensor, steps: int, rms: float, split: bool) -> torch.Tensor:
+    out = torch.empty_like(u)
+    matrices = [(e,) for e in range(u.shape[0])] if u.dim() == 3 else [()]
+    cols = u.shape[-1]
+    halves = [slice(0, cols // 2), slice(cols // 2, cols)] if split else [slice(0, cols)]
+    for e in matrices:
+        for half in halves:
+            s = u[e][:, half]
+            out[e][:, half] = _ns_reference(s, steps) * (rms * math.sqrt(max(s.shape)))
+    return out
+
+
+def _muon_reference(w, grads, lr, momentum, nesterov, ns_steps, update_rms, weight_decay, split):
+    w = w.double()
+    buf = torch.zeros_like(w)
+    for g in grads:
+        g = g.double()
+        buf = momentum * buf + (1 - momentum) * g
+        u = (1 - momentum) * g + momentum * buf if nesterov else buf
+        o = _muon_direction_reference(u, ns_steps, update_rms, split)
+        w = w * (1 - lr * weight_decay) - lr * o
+    return w, buf
+
+
+# documented defaults (docs/configuration.md): muon_momentum 0.95, muon_nesterov true, muon_ns_steps 5,
+# muon_update_rms 0.2; the optimizer's own weight decay default is 0
+MUON_DOC_DEFAULTS = dict(momentum=0.95, nesterov=True, ns_steps=5, update_rms=0.2, weight_decay=0.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(momentum=0.8, nesterov=True, ns_steps=3, weight_decay=0.01),
+        dict(momentum=0.8, nesterov=False, ns_steps=3, weight_decay=0.0),
+        dict(momentum=0.8, nesterov=False, weight_decay=0.01),  # the default ns_steps
+        dict(momentum=0.8, nesterov=True, update_rms=0.4, weight_decay=0.0),  # the default ns_steps
+        dict(),  # every default
+    ],
+    ids=["m.8-nesterov-ns3-wd", "m.8-plain-ns3", "m.8-plain-ns5-wd", "m.8-nesterov-ns5-rms.4", "defaults"],
+)
+def test_muon_three_steps_match_the_documented_update(options):
+    """Three Muon steps with known gradients == the documented rule (momentum, nesterov look-ahead,
+    ns_steps Newton-Schulz iterations, update RMS scaling, decoupled weight decay), on a tall matrix (the
+    transposed iteration), a stack of wide expert matrices, and a stack split into [gate | up] halves."""
+    g = torch.Generator().manual_seed(42)
+    shapes = {"tall": (24, 10), "stack": (2, 6, 16), "gate_up": (2, 8, 12)}
+    init = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads = {k: [torch.randn(s, generator=g) for _ in range(3)] for k, s in shapes.items()}
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    lr = 0.1
+    opt = Muon(
+        [
+            {"params": [params["tall"], params["stack"]]},
+            {"params": [params["gate_up"]], "split_gate_up": True},
+        ],
+        lr=lr,
+        **options,
+    )
+    for i in range(3):
+        for k, p in params.items():
+            p.grad = grads[k][i].clone()
+        opt.step()
+    settings = {**MUON_DOC_DEFAULTS, **options}
+    for k, p in params.items():
+        w, buf = _muon_reference(init[k], grads[k], lr=lr, split=k == "gate_up", **settings)
+        buffer = opt.state[p]["momentum_buffer"]
+        torch.testing.assert_close(buffer, buf.float(), msg=lambda m, k=k: f"{k} momentum buffer: {m}")
+        torch.testing.assert_close(p.data, w.float(), rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
 # --- StoSignSGD ------------------------------------------------------------------------------------------
 
 
@@ -160,6 +249,48 @@ def test_stosign_noise_is_a_function_of_seed_and_step():
 
     assert torch.equal(run(3), run(3))
     assert not torch.equal(run(3), run(4))
+
+
+def test_stosign_momentum_averages_the_gradients():
+    """beta = 0.5: m = beta m + (1 - beta) g, so after g1 = 1, g2 = -0.2: m = 0.25 g1 + 0.5 g2 = 0.15 and
+    G = max(|m1|, |m2|) = 0.5; the second step is then +-lr with E[u] = m / G = 0.3 (a gradient-only m
+    would give m = -0.2, G = 1, E[u] = -0.2)."""
+    n, lr = 100_000, 1e-3
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = StoSignSGD([p], lr=lr, beta=0.5, max_decay=1.0, seed=5)
+    p.grad = torch.ones(n)
+    opt.step()  # m1 = 0.5 = G: the sign is certain, u = +1 everywhere
+    torch.testing.assert_close(opt.state[p]["exp_avg"], torch.full((n,), 0.5))
+    torch.testing.assert_close(p.detach(), torch.full((n,), -lr))
+    before = p.detach().clone()
+    p.grad = torch.full((n,), -0.2)
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["exp_avg"], torch.full((n,), 0.15))
+    torch.testing.assert_close(opt.state[p]["max_scale"], torch.full((n,), 0.5))
+    delta = p.detach() - before
+    assert torch.all(delta.abs() == lr)
+    # the sample mean of n independent +-1 draws with mean 0.3 has std ~0.003: 0.015 is 5 sigma
+    assert float(-delta.mean() / lr) == pytest.approx(0.3, abs=0.015)
+
+
+def test_stosign_weight_decay_is_decoupled():
+    """w <- w (1 - lr wd) - lr u. A zero gradient (m = G = 0, u = 0) only shrinks w by (1 - lr wd) per step;
+    a gradient of constant sign (|m| grows, so |m| = G and the sign is certain) adds exactly -lr sign(g)
+    after the decay of each step."""
+    lr, wd = 0.1, 0.01
+    w0 = torch.tensor([[1.5, -2.0, 0.75], [3.0, -0.5, 1.0]])
+    grad = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5]])  # row 0: no gradient; row 1: a fixed gradient
+    p = torch.nn.Parameter(w0.clone())
+    opt = StoSignSGD([p], lr=lr, beta=0.5, weight_decay=wd, seed=1)
+    for _ in range(3):
+        p.grad = grad.clone()
+        opt.step()
+    shrink = 1.0 - lr * wd
+    torch.testing.assert_close(p.detach()[0], w0[0] * shrink**3, rtol=1e-6, atol=0.0)
+    expected = w0[1].double()
+    for _ in range(3):
+        expected = expected * shrink - lr * grad[1].double().sign()
+    torch.testing.assert_close(p.detach()[1], expected.float(), rtol=1e-6, atol=1e-7)
 
 
 # --- every optimizer -------------------------------------------------------------------------------------
