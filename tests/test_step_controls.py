@@ -11,12 +11,16 @@ import os
 import pytest
 import torch
 from conftest import FAST_CPU, compose_config
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import UserError
+from trmoe.model import moe
 from trmoe.model.moe import SharedExpert
 from trmoe.model.transformer import TRMoETransformer
+from trmoe.train import loop
 from trmoe.train.checkpoint import load_checkpoint
+from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 
@@ -70,11 +74,28 @@ def test_four_micro_batches_equal_one_four_times_larger_batch(tmp_path):
 
 
 def test_clipping_acts_but_the_logged_norm_is_before_clipping(tmp_path):
-    common = [*FAST, "trainer.steps=1", "trainer.micro_batch=2"]
-    train(compose_config(*common, "trainer.grad_clip=0"), tmp_path / "off")
-    train(compose_config(*common, "trainer.grad_clip=1e-4"), tmp_path / "on")
+    common = [*FAST, "trainer.steps=2", "trainer.log_every=1", "trainer.micro_batch=2"]
+    seen: list[float] = []  # the global norm of the gradients each optimizer step is taken with
+
+    def gradient_norm(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))))
+
+    handle = register_optimizer_step_pre_hook(gradient_norm)
+    try:
+        train(compose_config(*common, "trainer.grad_clip=0"), tmp_path / "off")
+        seen_off, seen[:] = list(seen), []
+        train(compose_config(*common, "trainer.grad_clip=1e-4"), tmp_path / "on")
+    finally:
+        handle.remove()
     assert rows(tmp_path / "off")[0]["grad_norm"] == rows(tmp_path / "on")[0]["grad_norm"]
-    assert float(rows(tmp_path / "on")[0]["grad_norm"]) > 1e-3
+    logged_off = [float(r["grad_norm"]) for r in rows(tmp_path / "off")]
+    logged_on = [float(r["grad_norm"]) for r in rows(tmp_path / "on")]
+    assert min(logged_on) > 1e-3
+    # off: the optimizer sees the logged norm; on: the logged norm is before clipping, the optimizer sees
+    # it clipped to grad_clip (clip_grad_norm_ scales by max_norm / (norm + 1e-6))
+    assert seen_off == pytest.approx(logged_off, rel=1e-5)
+    assert seen == pytest.approx([n * min(1.0, 1e-4 / (n + 1e-6)) for n in logged_on], rel=1e-5)
     wa, wb = weights(tmp_path / "off"), weights(tmp_path / "on")
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -139,7 +160,40 @@ def test_shared_expert_token_chunking_is_memory_only():
         torch.testing.assert_close(shared(x), whole[0], rtol=1e-6, atol=1e-6)
 
 
-def test_memory_controls_leave_the_run_unchanged(tmp_path):
+def watch_training(monkeypatch) -> list[dict]:
+    """Patches train() to keep, per run: its TrainingControls, the grad-enabled runs of block 0's
+    attention (a training forward, or its recomputation in the backward) and the tokens of every
+    grad-enabled shared-expert SwiGLU call. Module hooks do not see a recomputation: the functions are
+    wrapped instead."""
+    runs: list[dict] = []
+    real_swiglu = moe.swiglu
+
+    def swiglu(x, w_in, w_out):
+        if runs and torch.is_grad_enabled() and any(w_in is w for w in runs[-1]["shared_w_in"]):
+            runs[-1]["shared_rows"].append(x.shape[0])
+        return real_swiglu(x, w_in, w_out)
+
+    class Watched(TrainingControls):
+        def __init__(self, cfg, model, device):
+            super().__init__(cfg, model, device)
+            run = {"controls": self, "attention": 0, "shared_rows": []}
+            run["shared_w_in"] = [b.ffn.shared.w_in for b in model.blocks if b.ffn.shared is not None]
+            runs.append(run)
+            attention = model.blocks[0].attn.forward
+
+            def counted(*args, **kwargs):
+                run["attention"] += torch.is_grad_enabled()
+                return attention(*args, **kwargs)
+
+            model.blocks[0].attn.forward = counted
+
+    monkeypatch.setattr(moe, "swiglu", swiglu)
+    monkeypatch.setattr(loop, "TrainingControls", Watched)
+    return runs
+
+
+def test_memory_controls_leave_the_run_unchanged(tmp_path, monkeypatch):
+    runs = watch_training(monkeypatch)
     common = [*FAST, "trainer.steps=3", "trainer.log_every=1", "trainer.micro_batch=2"]
     train(compose_config(*common), tmp_path / "plain")
     train(
@@ -149,6 +203,16 @@ def test_memory_controls_leave_the_run_unchanged(tmp_path):
     rc = json.loads((tmp_path / "lean" / "run_config.json").read_text())
     assert rc["config"]["trainer"]["activation_checkpointing"] is True
     assert rc["config"]["trainer"]["shared_chunk_tokens"] == 8
+    # the settings reached the model, and it recomputed: block 0 ran once more in the backward of each of
+    # the 3 steps, and the shared expert took 8 of the 2 x 16 tokens at a time (plain: one SwiGLU over all
+    # 32 per layer and step). test_shared_expert_token_chunking_is_memory_only checks the chunks' checkpoint.
+    plain, lean = runs
+    model = lean["controls"].model
+    assert model.activation_checkpointing is True
+    assert [b.ffn.shared.chunk_tokens for b in model.blocks] == [8] * len(model.blocks)
+    assert plain["attention"] == 3 and lean["attention"] == 2 * 3
+    assert plain["shared_rows"] == [32] * 3 * len(model.blocks)
+    assert lean["shared_rows"] and set(lean["shared_rows"]) == {8}
     for a, b in zip(rows(tmp_path / "plain"), rows(tmp_path / "lean"), strict=True):
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), abs=1e-6)
         assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-5)
@@ -172,16 +236,25 @@ def test_compile_agrees_with_eager(tmp_path, monkeypatch):
     """aot_eager traces the model with dynamo and AOT autograd (the graph capture torch.compile does)
     without inductor's C++ code generation, which takes about a minute on a CPU; the inductor variant
     runs with TRMOE_SLOW_TESTS=1."""
+    from torch._dynamo.utils import counters
+
     compiled = []
     real = torch.compile
 
     def spy(model, **kwargs):
-        compiled.append(kwargs)
-        return real(model, **kwargs)
+        counters.clear()  # what dynamo compiles from here on: the training forward of the compiled run
+        module = real(model, **kwargs)
+        calls: list[int] = []
+        module.register_forward_pre_hook(lambda *args: calls.append(1))
+        compiled.append((kwargs, calls))
+        return module
 
     monkeypatch.setattr(torch, "compile", spy)
     compile_check(tmp_path, "aot_eager")
-    assert compiled == [{"backend": "aot_eager"}]
+    assert [kwargs for kwargs, _ in compiled] == [{"backend": "aot_eager"}]
+    # the compiled module is the one that trains (3 steps, one micro-batch each), through dynamo's graphs
+    assert len(compiled[0][1]) == 3
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
 
 
 @pytest.mark.skipif(not os.environ.get("TRMOE_SLOW_TESTS"), reason="inductor on CPU compiles for ~1 min")

@@ -13,6 +13,8 @@ from conftest import FAST_CPU, compose_config
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Progress
 from trmoe.model.transformer import TRMoETransformer
+from trmoe.train import loop
+from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.progress import ProgressReporter
@@ -39,11 +41,65 @@ def tiny_model():
     return TRMoETransformer(model_spec(cfg))
 
 
-def test_off_costs_nothing_and_writes_nothing(tmp_path):
+def module_hooks(model: torch.nn.Module) -> int:
+    """Forward (pre-)hooks on the model's modules, and global ones."""
+    from torch.nn.modules import module
+
+    on_modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return on_modules + len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
+
+
+def watch_training(monkeypatch) -> list[dict]:
+    """Patches train() to keep, per run: its TrainingControls, the hooks on the model at each training
+    forward, and the grad-enabled runs of block 0's attention (a training forward, or its recomputation in
+    the backward: module hooks do not see a recomputation, so the method itself is wrapped)."""
+    runs: list[dict] = []
+
+    class Watched(TrainingControls):
+        def __init__(self, cfg, model, device):
+            super().__init__(cfg, model, device)
+            run = {"controls": self, "hooks": [], "attention": 0}
+            runs.append(run)
+            attention = model.blocks[0].attn.forward
+
+            def counted(*args, **kwargs):
+                run["attention"] += torch.is_grad_enabled()
+                return attention(*args, **kwargs)
+
+            model.blocks[0].attn.forward = counted
+
+        def forward(self, inputs):
+            runs[-1]["hooks"].append(module_hooks(self.model))
+            return super().forward(inputs)
+
+    monkeypatch.setattr(loop, "TrainingControls", Watched)
+    return runs
+
+
+def test_off_costs_nothing_and_writes_nothing(tmp_path, monkeypatch):
+    runs = watch_training(monkeypatch)
+    made, recorded = [], []
+    real_init, real_recording = MoETelemetry.__init__, MoETelemetry.recording
+
+    def init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    def recording(self):
+        recorded.append(self)
+        return real_recording(self)
+
+    monkeypatch.setattr(MoETelemetry, "__init__", init)
+    monkeypatch.setattr(MoETelemetry, "recording", recording)
     train(compose_config(*FAST, "trainer.steps=2"), tmp_path / "r")
     assert not (tmp_path / "r" / "telemetry.csv").exists()
     for row in read(tmp_path / "r" / "metrics.csv"):
         assert all(row[c] == "nan" for c in EXPERT_COLUMNS)
+    # no telemetry object, no hooks on the model during the training forwards, nothing recorded
+    (run,) = runs
+    assert run["controls"].telemetry is None
+    assert made == [] and recorded == []
+    assert run["hooks"] == [0, 0]
 
 
 @pytest.mark.parametrize("routing", ["modulo_cyclic", "random"])  # rows grouped by route tuple / by expert
@@ -61,8 +117,9 @@ def test_watching_does_not_change_training(tmp_path, routing):
     assert all(torch.equal(off[k], on[k]) for k in off), [k for k in off if not torch.equal(off[k], on[k])]
 
 
-def test_on_writes_per_layer_rows_and_aggregates(tmp_path, caplog):
+def test_on_writes_per_layer_rows_and_aggregates(tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="trmoe")
+    runs = watch_training(monkeypatch)
     train(
         compose_config(
             *FAST,
@@ -74,6 +131,12 @@ def test_on_writes_per_layer_rows_and_aggregates(tmp_path, caplog):
         ),
         tmp_path / "r",
     )
+    # the hooks were there, and every block ran again in the backward (4 steps x 2 micro-batches, each
+    # forward recomputed) while route_slots below count each training forward once
+    (run,) = runs
+    assert run["controls"].model.activation_checkpointing is True
+    assert run["hooks"] == [2 * 2] * 4 * 2  # shared and routed hook in each of the 2 layers
+    assert run["attention"] == 2 * 4 * 2
     layers = read(tmp_path / "r" / "telemetry.csv")
     metrics = read(tmp_path / "r" / "metrics.csv")[1:]
     assert [(int(r["step"]), int(r["layer"])) for r in layers] == [
