@@ -206,3 +206,37 @@ def test_cli_multirun_writes_one_directory_per_job(tmp_path):
     ]
     assert strategies == ["modulo_cyclic", "multi_hash"]
     assert all((p / "metrics.csv").is_file() for p in jobs)
+
+
+def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
+    """MPS has no float64: the loop's running sums take env.sum_dtype (float32 there). Simulated on the CPU
+    (no MPS here) by giving the CPU MPS's answer; every float64 tensor the run still makes must then be a
+    host-side value, never one of the sums a device would hold."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trmoe.train import env
+
+    monkeypatch.setattr(env, "sum_dtype", lambda device: torch.float32)
+    made = set()
+
+    class Float64Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            leaves = torch.utils._pytree.tree_leaves(out)
+            if any(isinstance(o, torch.Tensor) and o.dtype == torch.float64 for o in leaves):
+                stack = traceback.extract_stack()
+                frames = [f.name for f in stack if "/trmoe/" in f.filename and not f.name.startswith("<")]
+                made.add(frames[-1] if frames else "?")
+            return out
+
+    cfg = compose_config(
+        *FAST, "trainer.steps=4", "trainer.log_every=2", "trainer.eval_every=2", "telemetry.moe=true"
+    )
+    with Float64Outputs():
+        train(cfg, tmp_path / "r")
+    # host values: the window's token count (summed over ranks) and p's exact route weights, rounded once
+    assert made <= {"window_totals", "all_reduce_sum", "primary_weight"}, made
+    rows = _rows(tmp_path / "r")
+    assert all(math.isfinite(float(r["train_loss"])) for r in rows[1:])

@@ -221,7 +221,7 @@ class RoutedExperts(nn.Module):
         self._primary_weight = float(value)
         exact = torch.tensor(route_weights(self.top_k, value), dtype=torch.float64)
         with torch.no_grad():
-            self.route_w.copy_(exact)  # rounded once, to the buffer's dtype
+            self.route_w.copy_(exact.to(self.route_w.dtype))  # rounded once, on the host (MPS has no fp64)
 
     def _apply(self, fn, recurse=True):
         # .double() / .to(dtype) would otherwise widen the rounded fp32 weights: rebuild them exactly

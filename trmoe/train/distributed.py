@@ -140,7 +140,7 @@ def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
     The values may live on different devices (a CPU count next to device sums): they are gathered on
     the collective's device first."""
     if not active():
-        return list(torch.stack([v.detach().double().reshape(()) for v in values]).unbind())
+        return [v.detach().reshape(()).clone() for v in values]
     device = collective_device()
     stacked = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) for v in values])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
@@ -151,7 +151,9 @@ def window_totals(window) -> dict[str, float | int]:
     """The metrics window summed over ranks (one all-reduce when distributed): what a log row's means are
     taken from, and what a checkpoint keeps for a resume with another number of ranks, whose own shares of
     the window would not add up to it."""
-    ce, objective, tokens = all_reduce_sum(window.ce, window.objective, torch.tensor(float(window.tokens)))
+    ce, objective, tokens = all_reduce_sum(
+        window.ce, window.objective, torch.tensor(window.tokens, dtype=torch.float64)
+    )
     return {
         "ce": float(ce),
         "objective": float(objective),

@@ -99,6 +99,12 @@ def keep_freed_host_memory() -> bool:
     return ok
 
 
+def sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of the loop's running sums on the device (losses over a step, a log window or the
+    held-out set; telemetry counters): float64, exact over any run; float32 on MPS, which has no float64."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

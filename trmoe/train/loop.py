@@ -51,14 +51,14 @@ def _gate_means(model: TRMoETransformer) -> tuple[float | None, float | None]:
 def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device, amp_dtype) -> float:
     """Mean pure cross-entropy over the fixed held-out batches (always the exact chunked path)."""
     model.eval()
-    ce = torch.zeros((), dtype=torch.float64, device=device)
+    ce = torch.zeros((), dtype=env.sum_dtype(device), device=device)
     tokens = torch.zeros((), dtype=torch.int64, device=device)
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with env.autocast(device, amp_dtype):
             hidden = model(inputs)
         sums = chunked_tied_ce(hidden, model.head_weight, targets, chunk_tokens=cfg.loss.chunk_tokens)
-        ce += sums.ce.double()
+        ce += sums.ce.to(ce.dtype)
         tokens += sums.tokens
     model.train()
     return (ce / tokens).item()
@@ -160,7 +160,7 @@ def _guard_verdict(guard, step: int, ce, objective, tokens: int, grad_norm) -> g
     if not guard.active:
         return guards.Verdict(guards.APPLY)
     # the guard's host sync: one per step
-    loss, obj, norm = torch.stack([ce / tokens, objective / tokens, grad_norm.double()]).tolist()
+    loss, obj, norm = torch.stack([ce / tokens, objective / tokens, grad_norm.to(ce.dtype)]).tolist()
     return guard.check(step, loss, obj, norm)
 
 
@@ -355,6 +355,7 @@ def _train(
 
     step_start = time.perf_counter()
     grad_norm = torch.zeros((), device=device)
+    sums_dtype = env.sum_dtype(device)
     step = plan.start_step
     while step < t.steps:
         step += 1
@@ -364,8 +365,8 @@ def _train(
             for first, count in micro_batch_samples(step, rank, world_size, t.micro_batch, t.grad_accum)
         ]
         step_tokens = sum(int(y.numel()) for _, y in micro_batches)
-        step_ce = torch.zeros((), dtype=torch.float64, device=device)
-        step_obj = torch.zeros((), dtype=torch.float64, device=device)
+        step_ce = torch.zeros((), dtype=sums_dtype, device=device)
+        step_obj = torch.zeros((), dtype=sums_dtype, device=device)
         # a batch that an earlier rollback dropped is read (stream cursors advance) but not learned from
         for a, (inputs, targets) in enumerate(micro_batches if step not in guard.dropped else []):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -379,8 +380,8 @@ def _train(
                 objective = sums.total / step_tokens
                 penalty = controls.penalty() if last else None  # once per step
                 (objective if penalty is None else objective + penalty).backward()
-            step_ce += sums.ce.double()
-            step_obj += sums.total.detach().double()
+            step_ce += sums.ce.to(sums_dtype)
+            step_obj += sums.total.detach().to(sums_dtype)
             del hidden, sums, objective  # the loss's stored dh / dW (4·V·H bytes) must not outlive the step
         parallel.average_gradients(replicated)
         controls.before_clip(is_log_step(step, cfg))

@@ -203,8 +203,10 @@ class MetricsWindow:
     def __init__(self, device):
         import torch  # lazily: the app imports this module before it needs torch
 
-        self.ce = torch.zeros((), dtype=torch.float64, device=device)
-        self.objective = torch.zeros((), dtype=torch.float64, device=device)
+        from trmoe.train.env import sum_dtype
+
+        self.ce = torch.zeros((), dtype=sum_dtype(device), device=device)
+        self.objective = torch.zeros((), dtype=sum_dtype(device), device=device)
         self.tokens = 0
         self.time = 0.0  # training seconds in the window (tok_s)
 
@@ -225,7 +227,7 @@ class MetricsWindow:
         return (self.ce / self.tokens).item(), (self.objective / self.tokens).item()
 
     def state_dict(self) -> dict[str, Any]:
-        # float64 sums as Python floats: exact
+        # the sums as Python floats: exact
         return {
             "ce": self.ce.item(),
             "objective": self.objective.item(),

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trmoe.train import env
 from trmoe.train.parallel import is_dtensor, shard_region
 from trmoe.train.records import _fmt, trim_csv
 
@@ -66,9 +67,10 @@ class MoETelemetry:
         self.ffns = [block.ffn for block in model.blocks]
         self.num_experts = model.spec.num_experts
         layers = len(self.ffns)
-        self.counts = torch.zeros(layers, self.num_experts, dtype=torch.float64, device=device)
-        self.sumsq = torch.zeros(layers, 2, dtype=torch.float64, device=device)  # [shared, routed]
-        self.numel = torch.zeros(layers, 2, dtype=torch.float64, device=device)
+        dtype = env.sum_dtype(device)
+        self.counts = torch.zeros(layers, self.num_experts, dtype=dtype, device=device)
+        self.sumsq = torch.zeros(layers, 2, dtype=dtype, device=device)  # [shared, routed]
+        self.numel = torch.zeros(layers, 2, dtype=dtype, device=device)
         self._recording = False
         self._sharded = False  # the last grad_norms() saw sharded (FSDP) gradients: collect() sums them
         self._handles = []
@@ -106,7 +108,7 @@ class MoETelemetry:
         """The saved window on rank 0 (`collect` sums the ranks), zeros elsewhere."""
         self.reset()
         if rank == 0:
-            packed = torch.tensor(state["window"], dtype=torch.float64, device=self.counts.device)
+            packed = torch.tensor(state["window"], dtype=self.counts.dtype, device=self.counts.device)
             layers, e = len(self.ffns), self.num_experts
             self.counts.copy_(packed[: layers * e].view(layers, e))
             self.sumsq.copy_(packed[layers * e : layers * (e + 2)].view(layers, 2))
@@ -129,7 +131,7 @@ class MoETelemetry:
         if not self._recording:
             return
         # the output already carries the branch's gate x scale (folded into its output weight)
-        self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=torch.float64)
+        self.sumsq[layer, 0] += output.detach().pow(2).sum(dtype=self.sumsq.dtype)
         self.numel[layer, 0] += output.numel()
         if self.ffns[layer].routed is not None:  # the routed rows are added into this very tensor next
             self._shared_out[layer] = output.detach().clone()
@@ -140,13 +142,13 @@ class MoETelemetry:
             return
         token_ids = inputs[1]
         routes = module.route_table[:, token_ids.reshape(-1)].reshape(-1).long()
-        self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).double()
+        self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).to(self.counts.dtype)
         # the routed module's output already carries the branch's gate x scale (folded into its activation)
         routed = output.detach()
         shared = self._shared_out.pop(layer, None)
         if shared is not None:  # shared + routed, summed in place: the routed part to rounding (~1e-7)
             routed = routed - shared.view_as(routed)
-        self.sumsq[layer, 1] += routed.pow(2).sum(dtype=torch.float64)
+        self.sumsq[layer, 1] += routed.pow(2).sum(dtype=self.sumsq.dtype)
         self.numel[layer, 1] += routed.numel()
 
     @torch.no_grad()
@@ -165,11 +167,11 @@ class MoETelemetry:
             if not is_dtensor(t.grad):
                 if not counted_here:
                     return 0.0
-                g = t.grad.double()
+                g = t.grad.to(out.dtype)
                 return g.pow(2).sum() if dims is None else g.pow(2).sum(dim=dims)
             if not _shard_counted_here(t.grad):
                 return 0.0
-            g = t.grad.to_local().double()
+            g = t.grad.to_local().to(out.dtype)
             if dims is None:
                 return g.pow(2).sum()
             part = g.new_zeros(t.shape[0])  # per expert (dim 0), this shard's rows in their global place
