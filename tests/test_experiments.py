@@ -228,6 +228,13 @@ def test_smoke_sweep_report_has_a_row_per_arm_pairs_checklist_and_plots(smoke_sw
         pairs = list(csv.DictReader(f))
     assert len(pairs) == len(arms) - 1 and all(p["n_seeds"] == "1" for p in pairs)
     assert all(p["verdict"].startswith("one seed") for p in pairs)
+    # Every final loss as the run ended it (metrics.csv keeps 9 digits: a 1e-4 difference at loss ~12 is
+    # not rounded away), so the paired differences are the runs' own.
+    with open(smoke_sweep / "report.csv", newline="") as f:
+        runs = list(csv.DictReader(f))
+    for run in runs:
+        status = json.loads((smoke_sweep.parent / run["path"] / "status.json").read_text())  # from the cwd
+        assert float(run["final_eval_loss"]) == pytest.approx(status["final_eval_loss"], rel=1e-8, abs=0)
     # The checklist, every item, and no warning: the arms differ only by the swept key.
     assert "## Comparability checklist" in md
     items = [

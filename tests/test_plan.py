@@ -283,3 +283,9 @@ def test_cli_prints_json_writes_nothing_and_bad_input_exits_2(tmp_path):
     bad = run_cli(["model=1b", "trainer.nope=1"], tmp_path, timeout=300, module="trmoe.plan")
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no run directory, no outputs/, no .hydra
+
+
+def test_durations_under_a_second_are_given_in_milliseconds():
+    from trmoe.plan.__main__ import _duration
+
+    assert (_duration(0.0068), _duration(0.25), _duration(42.0)) == ("6.8 ms", "250 ms", "42.0 s")

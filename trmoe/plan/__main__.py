@@ -74,6 +74,8 @@ def _bytes(n: float) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     minutes = seconds / 60

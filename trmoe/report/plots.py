@@ -115,7 +115,7 @@ def plot_pairs(pairs: list[Pair], control: Arm, path: Path) -> None:
     """Mean paired difference of held-out loss per arm, with its 95% interval where there are 2+ seeds."""
     plt = _pyplot()
     shown = [p for p in pairs if p.mean is not None]
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(1, len(shown))))
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 1.2 + 0.45 * len(shown))))  # title, axis: ~1.2 in
     for i, pair in enumerate(shown):
         ci = pair.interval
         if ci:
