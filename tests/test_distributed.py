@@ -92,6 +92,7 @@ def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
 
     record = json.loads((d / "run_config.json").read_text())
     assert record["world_size"] == 2 and record["strategy"] == "ddp"
+    assert record["backend"]["process_group"] == "gloo"
     assert record["tokens_per_step"] == 4 * 32  # micro x seq x world x accum
 
 

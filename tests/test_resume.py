@@ -412,6 +412,8 @@ def test_volatile_changes_resume_and_are_recorded(small_run, tmp_path, caplog):
     assert changes["trainer.micro_batch"] == [4, 2] and changes["trainer.log_every"] == [1, 2]
     assert rc["resumes"][-1]["forced"] == {} and load_checkpoint(run_dir)["step"] == 4
     assert "the held-out set changes from 8 to 4 windows" in caplog.text  # eval_batches x micro_batch
+    # logged while the resume was planned, before the run may be written to: train.log has it all the same
+    assert "the held-out set changes from 8 to 4 windows" in (run_dir / "train.log").read_text()
 
 
 def test_a_finished_run_extends_with_its_horizon_pinned(small_run, tmp_path):
@@ -449,6 +451,9 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     for change in ("model.shared_gate_final=0.5", "optimizer.decay_embedding=true", "optimizer=stosignsgd"):
         with pytest.raises(UserError, match="cannot change how the optimizer groups the parameters"):
             _train_in_process(run_dir, *SMALL, change, "trainer.force_resume=true")
+    # nor the tokens per step: the steps already run read their samples and counted tokens by it
+    with pytest.raises(UserError, match=r"cannot change the tokens per step \(256 -> 512"):
+        _train_in_process(run_dir, *SMALL, "trainer.micro_batch=8", "trainer.force_resume=true")
     assert _tree_digest(run_dir) == before
     _train_in_process(
         run_dir,
@@ -461,6 +466,8 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     )
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["force_resumed"] is True
+    log_text = (run_dir / "train.log").read_text()  # the differences are in the run's own log too
+    assert "trainer.force_resume=true: continuing" in log_text and "optimizer.lr" in log_text
     forced = rc["resumes"][-1]["forced"]
     assert forced["optimizer.lr"] == [0.003, 0.006] and "optimizer.decay_steps" not in forced
     state = load_checkpoint(run_dir)
@@ -675,6 +682,27 @@ def test_spike_rollback_recomputes_and_skips_the_offending_batch(monkeypatch, tm
         keys = [(int(r["step"]), int(r["layer"])) for r in csv.DictReader(f)]
     assert keys == [(int(r["step"]), layer) for r in rows_a[1:] for layer in (0, 1)]
 
+    # Killed after the rollback, before its next checkpoint (step 10): the resume from step 5 must still
+    # skip batch 7 (the rollback re-saved step 5 with it in its train state), bit for bit as above.
+    import shutil
+
+    killed = tmp_path / "killed"
+    shutil.copytree(run_dir, killed)
+    for step in (10, 12):
+        shutil.rmtree(killed / "checkpoints" / f"step_{step:08d}")
+    (killed / "checkpoints" / "latest").write_text("step_00000005\n")
+    _train_in_process(killed, *spike)  # the fault does not recur (once): only the train state can skip 7
+    c = load_checkpoint(killed)
+    assert all(torch.equal(c["model"][key], a["model"][key]) for key in a["model"])
+
+    # Continued from step 0 in another directory: the rollback there needs a checkpoint of its own
+    _inject(monkeypatch, at={7}, factor=10.0, once=True)
+    elsewhere = tmp_path / "elsewhere"
+    _train_in_process(elsewhere, *spike, f"trainer.resume={run_dir / 'checkpoints' / 'step_00000000'}")
+    assert "rolled back to step_00000005" in (elsewhere / "train.log").read_text()
+    d = load_checkpoint(elsewhere)
+    assert all(torch.equal(d["model"][key], a["model"][key]) for key in a["model"])
+
 
 def test_resume_between_log_steps_keeps_the_telemetry_window(tmp_path):
     """The checkpoint at step 2 falls inside the window logged at step 3: its telemetry counters travel
@@ -784,3 +812,49 @@ def test_telemetry_csv_continues_on_resume(tmp_path):
     assert keys(run_dir) == keys(full)
     early = [line for line in lines(full) if line.split(",")[0] in ("step", "1", "2")]
     assert early == [line for line in lines(run_dir) if line.split(",")[0] in ("step", "1", "2")]
+
+
+def test_a_key_the_attention_kind_ignores_is_no_difference():
+    """mha uses one key/value head per query head and mqa one, whatever model.num_kv_heads says: two
+    attempts that differ only there build the same model (under gqa it is a real difference)."""
+    from trmoe.train.resume import config_container
+
+    def view(*overrides: str) -> dict:
+        return training_view(config_container(compose_config(*overrides)), None, None)
+
+    for kind in ("mha", "mqa"):
+        a, b = view(f"attention={kind}"), view(f"attention={kind}", "model.num_kv_heads=4")
+        assert compare(a, b).critical == {} and critical_hash(a) == critical_hash(b)
+    gqa = compare(view("attention=gqa"), view("attention=gqa", "model.num_kv_heads=4")).critical
+    assert gqa == {"model.num_kv_heads": (2, 4)}
+    assert "model.num_kv_heads" in compare(view("attention=gqa"), view("attention=mha")).critical
+
+
+def test_each_attempt_records_its_code_and_machine_and_a_change_is_logged(small_run, tmp_path):
+    """run_config.json's git and backend are the last attempt's; each resume entry keeps the attempt before
+    it (`before`), and a resume on another thread count (or code, torch, processor) says so in the log."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    first = json.loads((run_dir / "run_config.json").read_text())
+    _train_in_process(run_dir, *SMALL, "trainer.steps=6", "optimizer.decay_steps=4", "hardware.threads=2")
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    before = rc["resumes"][-1]["before"]
+    assert before == {"git": first["git"], "backend": first["backend"]}
+    assert before["backend"]["threads"] == 1 and rc["backend"]["threads"] == 2
+    assert "backend.threads 1 -> 2" in (run_dir / "train.log").read_text()
+
+
+def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished(small_run, tmp_path):
+    import shutil
+
+    from trmoe.train import status
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    final = json.loads((run_dir / "status.json").read_text())["final_eval_loss"]
+    status.write_status(run_dir, status.RUNNING)  # as a kill between the last save and the status leaves it
+    assert _train_in_process(run_dir, *SMALL) == final
+    recorded = json.loads((run_dir / "status.json").read_text())
+    assert recorded["status"] == "finished" and recorded["final_eval_loss"] == final

@@ -64,6 +64,10 @@ def test_run_directory_holds_every_record(trained):
     assert rc["tokens_per_step"] == 4 * 64 and rc["total_tokens"] == 40 * 4 * 64
     assert rc["params"]["total"] == 12_924_484 and rc["params"]["active"] < rc["params"]["total"]
     assert rc["world_size"] == 1 and rc["backend"]["device"] == "cpu"
+    assert rc["backend"]["process_group"] is None and rc["backend"]["cpu"] == rc["backend"]["device_name"]
+    if Path("/proc/cpuinfo").is_file():  # the processor's model name, not only its architecture
+        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        assert not names or rc["backend"]["cpu"] == names[0].split(":", 1)[1].strip()
     assert rc["config"]["model"]["name"] == "tiny" and rc["model_spec"]["num_kv_heads"] == 2
     assert rc["data"]["source"] == "embedded" and rc["data"]["tokenizer"] == "o200k_base"
     assert "commit" in rc["git"]
@@ -240,3 +244,47 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
     assert made <= {"window_totals", "all_reduce_sum", "primary_weight"}, made
     rows = _rows(tmp_path / "r")
     assert all(math.isfinite(float(r["train_loss"])) for r in rows[1:])
+
+
+def test_log_lines_print_above_the_progress_bar(tmp_path):
+    """run.progress=bar: the log lines (evaluations, checkpoints) print on lines of their own, not into
+    the bar's line. stdout (the log) and stderr (the bar) share one pipe here, as they share a terminal."""
+    import os
+    import subprocess
+    import sys
+
+    args = [*FAST, "trainer.steps=4", "trainer.eval_every=2", "run.progress=bar", "run.name=bar"]
+    args += ["data=random", "model.vocab_size=512"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "trmoe.train", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    segments = [s for line in out.stdout.split("\n") for s in line.split("\r")]
+    logged = [s for s in segments if "][trmoe][INFO]" in s]
+    assert any("| eval " in s for s in logged) and any("step/s" in s for s in segments)
+    assert all(s.startswith("[") for s in logged), [s for s in logged if not s.startswith("[")]
+
+
+def test_hardware_settings_are_set_both_ways_for_the_next_job_of_a_process():
+    """Sweep jobs share one process: hardware.threads=null and deterministic=false must undo what the job
+    before them set."""
+    from trmoe.config.schema import HardwareConfig
+    from trmoe.train import env
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        env.configure(HardwareConfig(threads=1, deterministic=True), torch.device("cpu"))
+        assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
+        env.configure(HardwareConfig(threads=None, deterministic=False), torch.device("cpu"))
+        assert torch.get_num_threads() == env._STARTUP_THREADS
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)

@@ -236,7 +236,7 @@ class DataConfig:
 class HardwareConfig:
     device: Device = Device.auto  # auto: cuda/rocm if available, else mps, else cpu
     precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default at process start
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
     reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
@@ -263,7 +263,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
     seed: int = 42  # model init and data order
     log_every: int = 10  # metrics row cadence (plus step 1 and every eval step)
-    eval_every: int = 50  # held-out evaluation cadence in steps (and at the last step); 0 = only at the end
+    eval_every: int = 50  # held-out evaluation cadence in steps (and at steps 0 and last); 0 = only those
     eval_batches: int = 4  # fixed held-out batches scored at every evaluation
     resume: str = "auto"  # auto: newest complete checkpoint of the run dir; never; or a checkpoint path
     force_resume: bool = False  # resume despite training-critical differences (noted in run_config.json)

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trmoe.train import records
+
 log = logging.getLogger("trmoe")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -162,19 +164,14 @@ def window_totals(window) -> dict[str, float | int]:
     }
 
 
-def attach_rank_log(run_dir: Path, rank: int) -> logging.Handler:
-    """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console. Returns the file handler
-    (the caller removes it at the end of the job)."""
+def attach_rank_log(run_dir: Path, rank: int, early: records.EarlyLog | None = None) -> logging.Handler:
+    """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console, starting with what `early`
+    kept. Returns the file handler (the caller removes it at the end of the job)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             root.removeHandler(handler)  # console: rank 0 only
-    path = Path(run_dir) / "logs" / f"rank_{rank}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    root.addHandler(handler)
-    return handler
+    return records.attach_log_file(Path(run_dir) / "logs" / f"rank_{rank}.log", early)
 
 
 def no_sync(model: torch.nn.Module, sync: bool):

@@ -57,14 +57,19 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+# torch's own thread count, as the process started: what hardware.threads=null means
+_STARTUP_THREADS = torch.get_num_threads()
+
+
 def configure(hw: HardwareConfig, device: torch.device) -> None:
-    if hw.threads is not None:
-        torch.set_num_threads(hw.threads)
+    """The process as the config asks, every setting set both ways: sweep jobs share one process, and a
+    job must not inherit the thread count or determinism of the job before it."""
+    torch.set_num_threads(hw.threads if hw.threads is not None else _STARTUP_THREADS)
     if device.type == "cpu" and hw.reuse_host_memory:
         keep_freed_host_memory()
+    torch.use_deterministic_algorithms(hw.deterministic, warn_only=device.type != "cpu")
     if hw.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
         # That mode also fills every new uninitialised tensor with NaN, a debugging aid for ops that read
         # memory they never wrote; trmoe's do not, and the memsets cost ~2% of a 100m CPU step (the fresh
         # [V, H] embedding gradient alone is 307 MB).
@@ -127,10 +132,25 @@ def git_commit() -> dict:
     return {"commit": commit, "dirty": dirty}
 
 
+def cpu_name() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def backend_metadata(device: torch.device, dtype: torch.dtype | None) -> dict:
+    """What ran the job (run_config.json "backend"): device and its name, the CPU, versions, threads,
+    precision, the process group's backend, and which attention (SDPA) kernels torch may pick."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     meta = {
         "device": str(device),
-        "device_name": platform.processor() or platform.machine(),
+        "device_name": cpu_name(),
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -140,8 +160,16 @@ def backend_metadata(device: torch.device, dtype: torch.dtype | None) -> dict:
         "cuda": torch.version.cuda,
         "hip": torch.version.hip,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "process_group": torch.distributed.get_backend() if distributed else None,
     }
     if device.type == "cuda":
         meta["device_name"] = torch.cuda.get_device_name(device)
         meta["device_count"] = torch.cuda.device_count()
+        meta["cudnn"] = torch.backends.cudnn.version()
+        meta["sdpa_kernels"] = {
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled(),
+        }
     return meta

@@ -96,6 +96,15 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
     """Run one training job into run_dir, or continue the run it holds (trainer.resume, docs/reliability.md);
     returns the final held-out loss. Raises UserError on bad input, or on a run directory it must not
     overwrite or continue, before anything is written."""
+    early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
+    logging.getLogger().addHandler(early)
+    try:
+        return _job(raw_cfg, run_dir, early)
+    finally:
+        logging.getLogger().removeHandler(early)
+
+
+def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
     cfg = to_config(raw_cfg)
     device = env.select_device(cfg.hardware)
     amp_dtype = env.autocast_dtype(cfg.hardware, device)
@@ -113,6 +122,10 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
             plan.start_step,
             cfg.trainer.steps,
         )
+        recorded = status.read_status(run_dir)
+        if rank == 0 and not (isinstance(recorded, dict) and recorded.get("status") == status.FINISHED):
+            # killed after its final checkpoint, before it could say so
+            status.write_status(run_dir, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
     data = build_data(cfg, spec.vocab_size, device=device)
@@ -129,9 +142,9 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
         plan.prepare(store)
         records.write_hydra_files(run_dir, raw_cfg)
         status.write_status(run_dir, status.RUNNING)
-        log_handler = records.attach_log_file(run_dir)
+        log_handler = records.attach_log_file(run_dir / "train.log", early)
     else:
-        log_handler = distributed.attach_rank_log(run_dir, rank)
+        log_handler = distributed.attach_rank_log(run_dir, rank, early)
     distributed.barrier()
     try:
         with signals.StopSignals() as stop:
@@ -221,6 +234,7 @@ def _train(
     if match is not None:
         log.info("parameter match: %s", match.describe())
     if rank == 0:
+        git, backend = env.git_commit(), env.backend_metadata(device, amp_dtype)
         records.write_run_config(
             run_dir,
             {
@@ -229,17 +243,18 @@ def _train(
                 "config": OmegaConf.to_container(raw_cfg, resolve=True),
                 "model_spec": spec.to_dict(),
                 "params": params.to_dict(),
-                "git": env.git_commit(),
+                "git": git,
                 "world_size": world_size,
                 "strategy": strategy,  # none | ddp | fsdp (hardware.strategy resolved)
-                "backend": env.backend_metadata(device, amp_dtype),
+                "backend": backend,
                 "tokens_per_step": tokens_per_step,
                 "total_tokens": tokens_per_step * t.steps,
                 "data": data.info,
                 "metrics_columns": list(records.METRIC_COLUMNS),
                 "controls": controls.record(optimizer),  # loss backend, optimizer groups, schedules, compile
                 "param_match": None if match is None else match.to_dict(),  # model.match_params: solved width
-                **plan.record(),  # config hash, derived values, the attempts of this run (force_resume noted)
+                # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
+                **plan.record(git, backend),
             },
         )
     if rank == 0:
@@ -338,6 +353,10 @@ def _train(
             step - 1,
             step,
         )
+        # the same state again, now with the skipped batch in its train state: a kill before the next
+        # checkpoint resumes from it and skips that batch too, as the uninterrupted run does
+        if not save(target.step):
+            raise RunFailed(f"step {step}: the rollback to step {target.step} could not be recorded")
         return target.step
 
     if plan.mode == "resume":
@@ -345,6 +364,8 @@ def _train(
         restore(state, load_data=False)  # the data cursor: loaded by plan.check_data
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
         log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)
+        if cfg.guard.spike_policy == SpikePolicy.rollback and store.newest_good() is None:
+            save(plan.start_step)  # continued from another run's checkpoint: something to roll back to here
     else:
         figures = _eval_figures(model, data, cfg, device, amp_dtype)
         eval_loss = figures["eval_loss"]

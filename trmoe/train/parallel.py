@@ -13,6 +13,8 @@ the wrapper returned here.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -72,8 +74,11 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
-    # broadcast_buffers=False: route tables are deterministic buffers, identical on every rank
-    return DDP(model, device_ids=ids, output_device=ids[0] if ids else None, broadcast_buffers=False)
+    # no buffer broadcast before each forward: route tables are deterministic, identical on every rank
+    # (torch 2.13 renamed the option and warns on the old name; the new one still syncs them once, at init)
+    new_name = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    no_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+    return DDP(model, device_ids=ids, output_device=ids[0] if ids else None, **no_sync)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

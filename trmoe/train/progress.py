@@ -16,8 +16,12 @@ class ProgressReporter:
         self._bar = None
         if use_bar:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # log lines (evaluations, checkpoints) print above the bar instead of into its line
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
 
     def step(self) -> None:
         if self._bar is not None:
@@ -40,4 +44,5 @@ class ProgressReporter:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._redirect.__exit__(None, None, None)
             self._bar.close()

@@ -123,9 +123,18 @@ def training_view(config: dict, derived: dict | None, data_info: dict | None) ->
     return view
 
 
+def _in_effect(view: dict[str, Any]) -> dict[str, Any]:
+    """The view with model.num_kv_heads as the attention kind uses it: mha takes one per query head and
+    mqa one, whatever the key says (two runs that differ only there build the same model)."""
+    kind = view.get("attention.kind")
+    if kind in ("mha", "mqa") and "model.num_kv_heads" in view:
+        return {**view, "model.num_kv_heads": view.get("model.num_heads") if kind == "mha" else 1}
+    return view
+
+
 def critical_hash(view: dict[str, Any]) -> str:
     """sha256 of the training-critical part of a view: equal hashes, same experiment."""
-    critical = {k: v for k, v in view.items() if not is_volatile(k)}
+    critical = {k: v for k, v in _in_effect(view).items() if not is_volatile(k)}
     return hashlib.sha256(json.dumps(critical, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -161,6 +170,7 @@ def _show(value: Any) -> str:
 def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None = None) -> ConfigDiff:
     """Differences between two views. data_only=True compares only data_info.* keys, False all but them."""
     diff = ConfigDiff()
+    old, new = _in_effect(old), _in_effect(new)
     for key in sorted(set(old) | set(new)):
         if data_only is not None and key.startswith("data_info.") != data_only:
             continue
@@ -371,12 +381,19 @@ class Plan:
             "config_hash": critical_hash(self.view),
         }
 
-    def record(self) -> dict[str, Any]:
-        """Fields for run_config.json: the config hash and the history of this run's attempts."""
+    def record(self, git: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
+        """Fields for run_config.json: the config hash and the history of this run's attempts. `git` and
+        `backend` describe this attempt (run_config.json's own "git" and "backend"); each resume entry keeps
+        the ones of the attempt before it (`before`), so the history names every attempt's code and
+        machine, and a resume on other code, torch, threads or processor is logged: exact continuation
+        holds on the same ones only."""
         history = list((self.previous or {}).get("resumes", [])) if self.mode != "fresh" else []
         if self.mode in ("resume", "restart"):
+            before = {k: (self.previous or {}).get(k) for k in ("git", "backend")}
+            _warn_if_environment_changes(before, {"git": git, "backend": backend})
             history.append(
                 {
+                    "before": before,
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "mode": self.mode,
                     "from_step": self.start_step,
@@ -394,6 +411,23 @@ class Plan:
         }
 
 
+# What bit-exact continuation depends on besides the config (docs/reliability.md, determinism).
+_ENVIRONMENT = ("git.commit", "git.dirty", "backend.torch", "backend.threads", "backend.device_name")
+
+
+def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) -> None:
+    old, new = flatten(before), flatten(now)
+    changed = [
+        f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in _ENVIRONMENT if k in old and old[k] != new.get(k)
+    ]
+    if changed:
+        log.warning(
+            "this attempt runs on other code or another machine than the one before it (%s): it continues, "
+            "but not necessarily bit-for-bit as one uninterrupted run would",
+            "; ".join(changed),
+        )
+
+
 def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = False) -> None:
     if restart:
         raise UserError(
@@ -407,6 +441,14 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
             f"resume config mismatch with {where}: training-critical keys differ:\n{diff.render()}\n"
             "this would silently continue a different experiment; use another run.name, restore the keys, or "
             "set trainer.force_resume=true to continue anyway (recorded in run_config.json) "
+            "(nothing was changed)"
+        )
+    if "derived.global_batch_tokens" in diff.critical:
+        old, new = diff.critical["derived.global_batch_tokens"]
+        raise UserError(
+            f"trainer.force_resume=true cannot change the tokens per step ({old} -> {new}; micro_batch x "
+            f"seq_len x world size x grad_accum) of {where}: the steps already run read their samples and "
+            "counted their tokens by it; keep it (e.g. trade trainer.micro_batch for trainer.grad_accum) "
             "(nothing was changed)"
         )
     log.warning(
