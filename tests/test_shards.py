@@ -177,7 +177,8 @@ def test_dtype_that_does_not_match_the_file(good):
     [
         ("{not json", "malformed JSON"),
         ("[1, 2]", "top level must be a JSON object"),
-        ('{"format": "complexity-token-shard-v1"}', "format is 'complexity-token-shard-v1'"),
+        ('{"format": "other-shard"}', "format is 'other-shard'; allowed: 'trmoe-token-shard', 'complexity"),
+        ('{"format": "complexity-token-shard-v1"}', "token-shard-v1 index: field 'bin' is missing"),
         ('{"format": "trmoe-token-shard", "version": 2}', "version is 2; this trmoe reads version 1"),
         ('{"format": "trmoe-token-shard", "version": 1}', "field 'bin' is missing"),
     ],
@@ -215,3 +216,57 @@ def test_verify_catches_corruption_and_lying_indexes(good):
     edit_index(good, documents=3)
     assert "EOS tokens but the index counts 3 documents" in _error(good, verify=True)
     assert read_index(good)["documents"] == 3
+
+
+def _legacy_shard(directory: Path, tokens: np.ndarray, **extra) -> None:
+    """A shard as the previous runner wrote it: the same tokens.bin, its own index (format v1; fields as
+    ../shared/reference/anchor-complexity-framework.md section 4.5.1 lists them)."""
+    import hashlib
+
+    directory.mkdir(parents=True)
+    data = tokens.astype("<u4").tobytes()
+    (directory / BIN_NAME).write_bytes(data)
+    index = {
+        "format": "complexity-token-shard-v1",
+        "bin": BIN_NAME,
+        "dtype": "<u4",
+        "num_tokens": int(tokens.size),
+        "max_token_id": int(tokens.max()),
+        "vocab_size": 200_019,
+        "tokenizer": "o200k_base",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        **extra,
+    }
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def test_the_previous_runners_shards_are_read_and_train(tmp_path):
+    """A dataset of the runner trmoe replaces (train/ and eval/, format complexity-token-shard-v1) trains
+    as it is: no re-tokenization, its split kept. Its tokenizer hash (over a tokenizer directory) is not
+    the rank-file hash trmoe checks, so it is kept in the fingerprint's source, not compared."""
+    from conftest import compose_config
+
+    from trmoe.train.loop import train
+
+    eos = 199_999  # o200k's <|endoftext|>
+    rule = {"eos_token_id": eos, "tokenizer_sha256": "ab" * 32, "eval_document_rule": "index % 200 == 0"}
+    for partition, seed in (("train", 1), ("eval", 2)):
+        tokens = synthetic_tokens(4_000, vocab=200_019, seed=seed)
+        tokens[tokens == 0] = eos
+        documents = int((tokens == eos).sum())
+        _legacy_shard(tmp_path / "old" / partition, tokens, partition=partition, documents=documents, **rule)
+    train_index = read_index(tmp_path / "old" / "train")
+    assert train_index["eos_id"] == eos and train_index["partition"] == "train"
+    assert train_index["converted_from"] == "complexity-token-shard-v1" and train_index["text_bytes"] == 0
+    verify_shard(tmp_path / "old" / "eval")  # sha256, max id and the EOS count = documents
+    overrides = ["data=tokens", f"data.path={tmp_path / 'old'}", "data.verify=true", "trainer.steps=2"]
+    overrides += ["trainer.micro_batch=2", "trainer.seq_len=32", "trainer.eval_batches=1", "hardware=cpu"]
+    train(compose_config(*overrides, "run.progress=log"), tmp_path / "run")
+    record = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    shards = record["data"]["shards"]
+    assert shards["train"]["sha256"] == train_index["sha256"] and shards["eval"]["partition"] == "eval"
+    assert shards["train"]["source"]["tokenizer_dir_sha256"] == "ab" * 32
+    # a bad legacy index names the field
+    _legacy_shard(tmp_path / "bad", synthetic_tokens(100, vocab=200_019), num_tokens="100")
+    with pytest.raises(UserError, match="complexity-token-shard-v1 index: field 'num_tokens'"):
+        read_index(tmp_path / "bad")

@@ -1,9 +1,11 @@
 """Token shards: a directory holding `tokens.bin` (flat little-endian token ids) and `tokens.idx.json`.
 
-The format is specified in docs/data.md. A shard is read by memory map (no copy into RAM; opening it costs the
-same for 1 MB and 100 GB), written as `*.partial` files that are renamed only when complete (index last), and
-checked on load: format and version, dtype, byte size = num_tokens x itemsize, token ids against the vocab;
-`verify_shard` also re-hashes the file and rescans the ids.
+The format is specified in docs/data.md; shards of the runner trmoe replaces (format
+"complexity-token-shard-v1": the same tokens.bin, another index) are read too. A shard is read by memory
+map (no copy into RAM; opening it costs the same for 1 MB and 100 GB), written as `*.partial` files that are
+renamed only when complete (index last), and checked on load: format and version, dtype, byte size =
+num_tokens x itemsize, token ids against the vocab; `verify_shard` also re-hashes the file and rescans the
+ids.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from trmoe.errors import UserError
 
 FORMAT = "trmoe-token-shard"
 VERSION = 1
+LEGACY_FORMAT = "complexity-token-shard-v1"  # the previous runner's index over the same tokens.bin layout
 BIN_NAME = "tokens.bin"
 INDEX_NAME = "tokens.idx.json"
 PARTITIONS = ("train", "eval")
@@ -45,6 +48,19 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "text_bytes": int,
     "source": dict,
 }
+
+
+# The legacy index's fields and their types; the rest of a trmoe index is derived (`_from_legacy`).
+_LEGACY_FIELDS: dict[str, type] = {
+    "bin": str,
+    "dtype": str,
+    "num_tokens": int,
+    "max_token_id": int,
+    "vocab_size": int,
+    "tokenizer": str,
+    "sha256": str,
+}
+_LEGACY_SOURCE = ("source_repo", "source_revision", "source_subset", "source_files", "eval_document_rule")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -79,6 +95,8 @@ class TokenShard:
         fp: dict[str, Any] = {"path": str(self.directory), **{k: self.index[k] for k in keys}}
         fp.update(partition=self.index["partition"], documents=self.index["documents"])
         fp.update(text_bytes=self.index["text_bytes"])
+        if "converted_from" in self.index:  # a legacy shard: what its own index said of its origin
+            fp.update(converted_from=self.index["converted_from"], source=self.index["source"])
         return fp
 
 
@@ -104,8 +122,10 @@ def read_index(directory: str | Path) -> dict[str, Any]:
         raise _fail(path, f"malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     if not isinstance(index, dict):
         raise _fail(path, "malformed: the top level must be a JSON object")
+    if index.get("format") == LEGACY_FORMAT:
+        index = _from_legacy(index, path)
     if index.get("format") != FORMAT:
-        raise _fail(path, f"format is {index.get('format')!r}; allowed: {FORMAT!r}")
+        raise _fail(path, f"format is {index.get('format')!r}; allowed: {FORMAT!r}, {LEGACY_FORMAT!r}")
     if index.get("version") != VERSION:
         raise _fail(path, f"version is {index.get('version')!r}; this trmoe reads version {VERSION}")
     for key, kind in REQUIRED_FIELDS.items():
@@ -133,6 +153,32 @@ def read_index(directory: str | Path) -> dict[str, Any]:
             path, f"max_token_id {index['max_token_id']} is outside the vocab [0, {index['vocab_size']})"
         )
     return index
+
+
+def _from_legacy(legacy: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A trmoe index for a shard the previous runner wrote: its fields, EOS from `eos_token_id`, partition
+    `train` unless it names one, no text bytes (bits per byte stay undefined), and its tokenizer hash kept
+    in `source` only: it hashed a tokenizer directory, not the rank file trmoe checks (`converted_from`
+    tells the reader not to compare it)."""
+    for key, kind in _LEGACY_FIELDS.items():
+        if not isinstance(legacy.get(key), kind) or isinstance(legacy.get(key), bool):
+            raise _fail(path, f"{LEGACY_FORMAT} index: field {key!r} is missing or not a {kind.__name__}")
+    eos, documents = legacy.get("eos_token_id"), legacy.get("documents", 0)
+    source = {k: legacy[k] for k in _LEGACY_SOURCE if k in legacy}
+    if "tokenizer_sha256" in legacy:
+        source["tokenizer_dir_sha256"] = legacy["tokenizer_sha256"]
+    return {
+        **{key: legacy[key] for key in _LEGACY_FIELDS},
+        "format": FORMAT,
+        "version": VERSION,
+        "converted_from": LEGACY_FORMAT,
+        "eos_id": eos if isinstance(eos, int) and not isinstance(eos, bool) else None,
+        "tokenizer_sha256": None,
+        "partition": legacy.get("partition", "train"),
+        "documents": documents if isinstance(documents, int) and eos is not None else 0,
+        "text_bytes": 0,
+        "source": source,
+    }
 
 
 def open_shard(directory: str | Path, *, verify: bool = False) -> TokenShard:
