@@ -236,6 +236,33 @@ def test_affine_hash_matches_scalar_reference():
         assert t[:, tok].tolist() == [(base + k * stride) % experts for k in range(3)]
 
 
+@pytest.mark.parametrize("strategy", ["modulo_cyclic", "random", "balanced_hash"])
+def test_permutation_strategies_match_scalar_references(strategy):
+    """The strategies that draw from the layer's generator, token by token as docs/routing.md writes them
+    (the golden fingerprints above can only say that a table changed, not which of code and doc is right)."""
+    vocab, experts, top_k, layer, seed = 523, 6, 3, 2, 9
+    salt = _ref_salt(seed, layer)
+    rng = np.random.Generator(np.random.PCG64(salt))
+    table = build_route_table(strategy, vocab, experts, top_k, layer, seed=seed).to(torch.int64)
+    if strategy == "modulo_cyclic":
+        labels = rng.permutation(experts)
+        expected = [[(labels[t % experts] + k) % experts for k in range(top_k)] for t in range(vocab)]
+    elif strategy == "random":  # E uniform keys per token, in token order; the K smallest, smallest first
+        keys = rng.random((vocab, experts))
+        expected = [sorted(range(experts), key=lambda e, t=t: keys[t, e])[:top_k] for t in range(vocab)]
+    else:
+        sigma = rng.permutation(vocab)
+        labels = rng.permutation(experts)
+        rank = {int(token): r for r, token in enumerate(sigma)}
+        units = _units(experts)
+        expected = []
+        for t in range(vocab):
+            block, position = divmod(rank[t], experts)
+            stride = units[_ref_mix32(block ^ salt) % len(units)]
+            expected.append([labels[(position + k * stride) % experts] for k in range(top_k)])
+    assert table.T.tolist() == [[int(e) for e in routes] for routes in expected]
+
+
 def test_balanced_hash_blocks_are_exact():
     """Within every full block of E ranks each slot uses each expert exactly once."""
     vocab, experts, top_k, layer, seed = 10_007, 6, 3, 2, 1
