@@ -94,6 +94,61 @@ def test_unusable_checkpoints_are_reported_and_skipped(tmp_path, caplog):
         resolve_checkpoint(tmp_path / "nothing")
 
 
+# meta.json that is valid JSON of another shape (a hand edit, another tool's file), and what verify says
+OTHER_SHAPES = [
+    pytest.param(lambda meta: None, "is not a trmoe checkpoint", id="null"),
+    pytest.param(lambda meta: [], "is not a trmoe checkpoint", id="list"),
+    pytest.param(lambda meta: {**meta, "files": 5}, "files = 5; expected an object", id="files"),
+    pytest.param(lambda meta: {**meta, "files": {"model_optim.pt": 5}}, "files = ", id="file-entry"),
+    pytest.param(lambda meta: {k: v for k, v in meta.items() if k != "step"}, "has no step", id="no-step"),
+    pytest.param(lambda meta: {**meta, "step": "3"}, 'step = "3"; expected an integer', id="step"),
+    pytest.param(lambda meta: {**meta, "metrics": []}, r"metrics = \[\]; expected an object", id="metrics"),
+    pytest.param(lambda meta: {**meta, "config": "x"}, "config = ", id="config"),
+    pytest.param(lambda meta: {**meta, "eval_loss": None}, "eval_loss = null; expected a number", id="loss"),
+]
+
+
+@pytest.mark.parametrize("edit,reason", OTHER_SHAPES)
+def test_a_meta_json_of_another_shape_is_reported_and_skipped(tmp_path, caplog, edit, reason):
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep_last=0)
+    meta = {"config": {}, "eval_loss": 1.0}
+    for step in (1, 2):
+        store.save(step, model=model, optimizer=optimizer, local_state={}, meta=meta)
+    meta_file = tmp_path / "step_00000002" / "meta.json"
+    meta_file.write_text(json.dumps(edit(json.loads(meta_file.read_text()))))
+    with pytest.raises(CheckpointError, match=reason):
+        store.verify(tmp_path / "step_00000002")
+    with caplog.at_level("WARNING", logger="trmoe"):
+        assert store.newest_good().step == 1
+    assert "step_00000002 is unusable" in caplog.text
+
+
+def test_a_latest_pointer_that_is_not_text_is_no_pointer(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path)
+    store.save(1, model=model, optimizer=optimizer, local_state={}, meta={})
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00x\n")
+    assert read_pointer(tmp_path) is None
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_model_shapes_are_read_without_loading_the_tensors(tmp_path, fmt):
+    from trmoe.train.checkpoint import model_shapes
+
+    model, optimizer = _model_and_optimizer()
+    model.register_buffer("table", torch.zeros(3, dtype=torch.int32))
+    store = CheckpointStore(tmp_path, format=fmt)
+    store.save(1, model=model, optimizer=optimizer, local_state={}, meta={})
+    info = store.verify(tmp_path / "step_00000001")
+    assert model_shapes(info) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if fmt == "torch":  # a payload that verifies but holds no model state
+        torch.save({"weights": torch.zeros(2)}, info.path / "model_optim.pt")
+        with pytest.raises(CheckpointError, match="no readable model state"):
+            model_shapes(info)
+
+
 def test_dcp_format_run_resumes_bit_exact_and_equals_the_torch_format(tmp_path):
     """checkpoint.format=dcp in one process (torch.distributed.checkpoint without a process group)."""
     base = [

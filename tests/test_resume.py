@@ -858,3 +858,126 @@ def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished
     assert _train_in_process(run_dir, *SMALL) == final
     recorded = json.loads((run_dir / "status.json").read_text())
     assert recorded["status"] == "finished" and recorded["final_eval_loss"] == final
+
+
+# ------------------------------------------------------- damaged or foreign records: refused before writes
+
+EXTEND = [*SMALL, "trainer.steps=6", "optimizer.decay_steps=4"]  # small_run extended, its horizon pinned
+
+
+def _copy_run(small_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run_dir = tmp_path / "runs" / "r"
+    shutil.copytree(small_run, run_dir)
+    return run_dir
+
+
+def _edit_meta(checkpoint: Path, edit) -> None:
+    """meta.json after `edit` (which changes it in place)."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    edit(meta)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def _rename_a_tensor(checkpoint: Path) -> None:
+    """The payload of another trmoe version: one model tensor under another name (meta.json's size and CRC32
+    updated, so the checkpoint verifies)."""
+    from trmoe.train.checkpoint import file_crc32
+
+    payload = checkpoint / "model_optim.pt"
+    state = torch.load(payload, weights_only=True)
+    state["model"]["renamed"] = state["model"].pop(next(iter(state["model"])))
+    torch.save(state, payload)
+    _edit_meta(checkpoint, lambda meta: meta["files"].update({payload.name: file_crc32(payload)}))
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_any_write(small_run, tmp_path):
+    """The checkpoint's tensors as stored (not as its config says) are checked against the model before the
+    run's records are touched: forced with a config this trmoe cannot rebuild, and not forced at all."""
+    run_dir = _copy_run(small_run, tmp_path)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    _edit_meta(newest, lambda meta: meta["config"]["model"].update(new_key=1))  # another trmoe's config
+    before = _tree_digest(run_dir)
+    result = run_cli([*BASE, *EXTEND, "model.shared_width=128", "trainer.force_resume=true"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trmoe: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert "cannot change the model's tensors" in errors[0] and "nothing was changed" in errors[0]
+    assert _tree_digest(run_dir) == before
+    _edit_meta(newest, lambda meta: meta["config"]["model"].pop("new_key"))  # the same config again
+    _rename_a_tensor(newest)
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match=r"does not fit this model: 2 tensors differ .*nothing was changed"):
+        _train_in_process(run_dir, *EXTEND)
+    assert _tree_digest(run_dir) == before
+
+
+def test_a_run_config_json_that_is_no_object_is_ignored(small_run, tmp_path, caplog):
+    """Valid JSON of another shape in run_config.json (or in its `resumes`) is read as no record."""
+    run_dir = _copy_run(small_run, tmp_path)
+    rc = json.loads((run_dir / "run_config.json").read_text())
+    (run_dir / "run_config.json").write_text(json.dumps({**rc, "resumes": [5, "x", None]}))
+    _train_in_process(run_dir, *EXTEND)
+    assert [r["mode"] for r in json.loads((run_dir / "run_config.json").read_text())["resumes"]] == ["resume"]
+    (run_dir / "run_config.json").write_text("[1]")
+    with caplog.at_level("WARNING", logger="trmoe"):
+        _train_in_process(run_dir, *SMALL, "trainer.steps=8", "optimizer.decay_steps=4")
+    assert load_checkpoint(run_dir)["step"] == 8
+    assert "run_config.json is no readable JSON object: the history" in caplog.text
+    # without a checkpoint, it is no record of the run: refused, nothing changed
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "run_config.json").write_text("[1]")
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match="neither a readable run_config.json nor a complete checkpoint"):
+        _train_in_process(run_dir, *SMALL)
+    assert _tree_digest(run_dir) == before
+
+
+def test_a_meta_json_of_another_shape_makes_the_checkpoint_unusable(small_run, tmp_path, caplog):
+    """auto falls back to the previous checkpoint, as for a truncated payload; trainer.resume=<it> refuses
+    it (exit 2) and leaves no run directory behind."""
+    run_dir = _copy_run(small_run, tmp_path)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    (newest / "meta.json").write_text("null")
+    with pytest.raises(UserError, match=r"trainer.resume=.*step_00000004: .*meta.json is not a trmoe"):
+        _train_in_process(tmp_path / "new", *SMALL, f"trainer.resume={newest}")
+    assert not (tmp_path / "new").exists()
+    with caplog.at_level("WARNING", logger="trmoe"):
+        _train_in_process(run_dir, *SMALL)
+    assert "step_00000004 is unusable" in caplog.text
+    assert_same_run(run_dir, small_run)
+
+
+@pytest.mark.parametrize(
+    "name,content",
+    [("metrics.csv", b"\xff\xfe\x00x\n"), ("metrics.csv", None), ("telemetry.csv", b"\xff\xfe\x00x\n")],
+    ids=["metrics-binary", "metrics-directory", "telemetry-binary"],
+)
+def test_unreadable_step_records_are_refused_before_any_write(small_run, tmp_path, name, content):
+    run_dir = _copy_run(small_run, tmp_path)
+    if content is None:
+        (run_dir / name).unlink()
+        (run_dir / name).mkdir()
+        (run_dir / name / "kept.txt").write_text("a user's file")
+    else:
+        (run_dir / name).write_bytes(content)
+    before = _tree_digest(run_dir)
+    with pytest.raises(UserError, match=f"{name} is unreadable .*; move it aside") as err:
+        _train_in_process(run_dir, *EXTEND)
+    assert len(str(err.value).splitlines()) == 1
+    assert _tree_digest(run_dir) == before and (run_dir / name).exists()
+    with pytest.raises(UserError, match=f"{name} is unreadable"):  # continuing its checkpoint elsewhere
+        _train_in_process(tmp_path / "new", *EXTEND, f"trainer.resume={run_dir / 'checkpoints'}")
+    assert not (tmp_path / "new").exists()
+
+
+def test_trainer_steps_below_the_checkpoint_is_named_first(small_run):
+    """Not the schedule check's advice to pin the schedule of the steps done (here the warmup changes too),
+    which, followed, would only lead to this error."""
+    before = _tree_digest(small_run)
+    with pytest.raises(UserError, match=r"trainer.steps=2: the checkpoint .* is at step 4; allowed: >= 4"):
+        _train_in_process(small_run, *SMALL, "trainer.steps=2", "optimizer.warmup_steps=1")
+    assert _tree_digest(small_run) == before

@@ -32,6 +32,7 @@ import shutil
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,7 @@ def write_pointer(directory: Path, name: str) -> None:
 def read_pointer(directory: Path) -> str | None:
     try:
         return (directory / LATEST).read_text().strip() or None
-    except OSError:
+    except (OSError, ValueError):  # missing, or not text (UnicodeDecodeError): no pointer
         return None
 
 
@@ -212,6 +213,44 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_file_record(value: Any) -> bool:
+    return (
+        isinstance(value, dict) and value.keys() == {"bytes", "crc32"} and all(map(_is_int, value.values()))
+    )
+
+
+# What the store and a resume read from meta.json, and what each must be; the last five may be absent. Valid
+# JSON of another shape (a hand edit, another tool's file) makes the checkpoint unusable (the previous one
+# is used), not the resume crash.
+_META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "format": (lambda v: v in ("torch", "dcp"), '"torch" or "dcp"'),
+    "files": (
+        lambda v: isinstance(v, dict) and all(map(_is_file_record, v.values())),
+        'an object of {"bytes": int, "crc32": int} per file',
+    ),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+    "derived": (lambda v: isinstance(v, dict), "an object"),
+    "data": (lambda v: isinstance(v, dict), "an object"),
+    "metrics": (lambda v: isinstance(v, dict), "an object"),
+    "eval_loss": (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+}
+_OPTIONAL = ("config", "derived", "data", "metrics", "eval_loss")
+
+
+def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
+    for key, (valid, expected) in _META_FIELDS.items():
+        if key in meta and not valid(meta[key]):
+            shown = json.dumps(meta[key])[:60]
+            raise CheckpointError(f"{path}: {META}: {key} = {shown}; expected {expected}")
+        if key not in meta and key not in _OPTIONAL:
+            raise CheckpointError(f"{path}: {META} has no {key}")
+
+
 class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints of one run directory.
 
@@ -257,8 +296,9 @@ class CheckpointStore:
             meta = json.loads((path / META).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: no readable {META} ({e})") from None
-        if meta.get("format_version") != FORMAT_VERSION or not isinstance(meta.get("files"), dict):
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: {META} is not a trmoe checkpoint of version {FORMAT_VERSION}")
+        _check_meta_fields(path, meta)
         for name, expected in sorted(meta["files"].items()):
             file = path / name
             try:
@@ -456,6 +496,28 @@ def load_local_state(info: CheckpointInfo, rank: int) -> dict[str, Any]:
         path = info.path / rank_file(0)
     # weights_only=False: the file holds Python RNG states; a checkpoint is trusted input, like any pickle.
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def model_shapes(info: CheckpointInfo) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every model tensor a verified checkpoint holds, without reading the tensors (format
+    torch: the payload memory-mapped; dcp: its metadata): what a resume checks against the model it builds
+    before anything is written. Raises CheckpointError."""
+    try:
+        if info.meta["format"] == "torch":
+            state = torch.load(info.path / TORCH_PAYLOAD, map_location="cpu", mmap=True, weights_only=True)
+            return {name: tuple(tensor.shape) for name, tensor in state["model"].items()}
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        entries = FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
+        return {  # DCP flattens the saved {"model": ..., "optimizer": ...} to dotted keys
+            key.removeprefix("model."): tuple(entry.size)
+            for key, entry in entries.items()
+            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+        }
+    except Exception as e:  # a payload that verifies but holds no trmoe state (another tool's, torch's)
+        first = next(iter(str(e).splitlines()), "")
+        raise CheckpointError(f"{info.path}: no readable model state ({type(e).__name__}: {first})") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:

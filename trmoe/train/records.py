@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.errors import UserError
+
 SCHEMA_VERSION = 1
 
 # Fixed column order. Expert columns are NaN unless telemetry fills them.
@@ -160,25 +162,37 @@ class MetricsWriter:
         self._file.close()
 
 
-def continue_metrics(path: Path, through_step: int) -> int:
-    """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
-    resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
-    from an older column set is migrated (new columns get nan; the original is kept as metrics.csv.orig).
-    Returns the number of rows kept."""
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        rows = list(reader)
-    if header is None:
-        header = list(METRIC_COLUMNS)
+def read_step_rows(path: Path, through_step: int) -> tuple[list[str] | None, list[list[str]]]:
+    """The header of a per-step CSV (metrics.csv, telemetry.csv; None if it is empty) and its complete rows
+    up to `through_step` (a line a kill cut short is dropped). A file that cannot be read as CSV text (binary
+    garbage, a directory) raises UserError naming it: a resume checks this before it writes anything."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            rows = list(reader)
+    except (OSError, ValueError, csv.Error) as e:  # UnicodeDecodeError is a ValueError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UserError(f"{path} is unreadable ({reason}); move it aside to resume without it") from None
     kept = []
     for row in rows:
         try:
             step = int(row[0])
         except (ValueError, IndexError):
             continue  # a line a kill cut short
-        if step <= through_step and len(row) == len(header):
-            kept.append(dict(zip(header, row, strict=True)))
+        if step <= through_step and header is not None and len(row) == len(header):
+            kept.append(row)
+    return header, kept
+
+
+def continue_metrics(path: Path, through_step: int) -> int:
+    """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
+    resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
+    from an older column set is migrated (new columns get nan; the original is kept as metrics.csv.orig).
+    Returns the number of rows kept."""
+    header, rows = read_step_rows(path, through_step)
+    header = header if header is not None else list(METRIC_COLUMNS)
+    kept = [dict(zip(header, row, strict=True)) for row in rows]
     if tuple(header) != METRIC_COLUMNS:
         dropped = [c for c in header if c not in METRIC_COLUMNS]
         shutil.copyfile(path, path.with_name(path.name + ".orig"))
@@ -199,16 +213,7 @@ def continue_metrics(path: Path, through_step: int) -> int:
 def trim_csv(path: Path, through_step: int) -> int:
     """Keep the header and the rows whose first column (the step) is <= through_step, atomically (for
     per-step CSVs besides metrics.csv, e.g. telemetry.csv). Returns the number of rows kept."""
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        kept = []
-        for row in reader:
-            try:
-                if int(row[0]) <= through_step and len(row) == len(header):
-                    kept.append(row)
-            except (ValueError, IndexError, TypeError):
-                continue  # a line a kill cut short
+    header, kept = read_step_rows(path, through_step)
     out = io.StringIO()
     writer = csv.writer(out)
     if header is not None:

@@ -43,6 +43,7 @@ from trmoe.train.checkpoint import (
     CheckpointInfo,
     CheckpointStore,
     load_local_state,
+    model_shapes,
     read_pointer,
     resolve_checkpoint,
 )
@@ -343,10 +344,8 @@ class Plan:
             return
         step = self.checkpoint.step
         if self.external:
-            for name in ("metrics.csv", *STEP_CSVS):
-                source = self.checkpoint.path.parent.parent / name
-                if source.is_file():
-                    shutil.copyfile(source, run_dir / name)
+            for source in self.continued_csvs():
+                shutil.copyfile(source, run_dir / source.name)
         else:
             moved = store.set_aside(step)
             if moved:
@@ -372,6 +371,12 @@ class Plan:
                 expected,
             )
 
+    def continued_csvs(self) -> list[Path]:
+        """The per-step CSVs a resume continues: the run's own, or those of the run whose checkpoint it
+        continues (copied here first)."""
+        where = self.checkpoint.path.parent.parent if self.external else self.run_dir
+        return [where / name for name in ("metrics.csv", *STEP_CSVS) if (where / name).exists()]
+
     def identity(self, raw_cfg: DictConfig, data_info: dict) -> dict[str, Any]:
         """What every checkpoint's meta.json carries to be compared with a later launch."""
         return {
@@ -387,7 +392,7 @@ class Plan:
         the ones of the attempt before it (`before`), so the history names every attempt's code and
         machine, and a resume on other code, torch, threads or processor is logged: exact continuation
         holds on the same ones only."""
-        history = list((self.previous or {}).get("resumes", [])) if self.mode != "fresh" else []
+        history = _history(self.previous) if self.mode != "fresh" else []
         if self.mode in ("resume", "restart"):
             before = {k: (self.previous or {}).get(k) for k in ("git", "backend")}
             _warn_if_environment_changes(before, {"git": git, "backend": backend})
@@ -459,10 +464,18 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`; None if it is missing, unreadable or holds anything else."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
+
+
+def _history(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """run_config.json's `resumes`: the entries that are records (a hand-edited file may hold anything)."""
+    resumes = (previous or {}).get("resumes")
+    return [entry for entry in resumes if isinstance(entry, dict)] if isinstance(resumes, list) else []
 
 
 def _stored_view(record: dict[str, Any]) -> dict[str, Any]:
@@ -477,6 +490,11 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
     how = t.resume.strip()
     previous = _read_json(run_dir / "run_config.json")
     held = [name for name in records.RUN_FILES if (run_dir / name).exists()]
+    if previous is None and "run_config.json" in held:
+        log.warning(
+            "%s is no readable JSON object: the history of this run's earlier attempts is lost",
+            run_dir / "run_config.json",
+        )
     if store.step_dirs():
         held.append("checkpoints")
     plan = Plan(mode="fresh", run_dir=run_dir, view=view, previous=previous)
@@ -506,7 +524,7 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
                     "trainer.resume=<checkpoint>, or start over: trainer.resume=never run.overwrite=true "
                     "(nothing was changed)"
                 )
-            if previous is None or "config" not in previous:
+            if previous is None or not isinstance(previous.get("config"), dict):
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
                     "readable run_config.json nor a complete checkpoint; choose another run.name, or replace "
@@ -559,9 +577,7 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
     if plan.diff.critical:
         _mismatch(plan.diff, info.path, force=t.force_resume)
         plan.forced = plan.diff.as_record()
-        _check_shapes(info, cfg)
-    _check_schedules(info, cfg, plan)
-    if info.step > t.steps:
+    if info.step > t.steps:  # before the schedule check, whose advice (pin the horizon) would not help
         raise UserError(
             f"config error: trainer.steps={t.steps}: the checkpoint {info.path} is at step {info.step}; "
             f"allowed: >= {info.step}"
@@ -572,12 +588,18 @@ def plan_run(cfg: Config, view: dict[str, Any], run_dir: Path, store: Checkpoint
             f"in {run_dir}; allowed: trainer.steps > {info.step} to continue it (nothing was changed)"
         )
     plan.mode = "complete" if info.step == t.steps else "resume"
+    if plan.mode == "resume" or plan.forced:  # what the resume will load, or what force may not change
+        _check_shapes(info, cfg, forced=bool(plan.forced))
+    _check_schedules(info, cfg, plan)
+    if plan.mode == "resume":  # the records the resume continues: readable, or nothing is written
+        for path in plan.continued_csvs():
+            records.read_step_rows(path, info.step)
     return plan
 
 
 def _started_from(previous: dict[str, Any] | None, requested: str) -> bool:
     """Whether the run a directory holds was launched with this trainer.resume=<path> before."""
-    return any(entry.get("requested") == requested for entry in (previous or {}).get("resumes", []))
+    return any(entry.get("requested") == requested for entry in _history(previous))
 
 
 def _warn_if_eval_set_changes(stored: dict[str, Any], view: dict[str, Any]) -> None:
@@ -605,36 +627,45 @@ def _stored_config(meta: dict[str, Any]) -> Config | None:
         return None
 
 
-def _check_shapes(info: CheckpointInfo, cfg: Config) -> None:
-    """force_resume may change hyper-parameters, not the tensors the checkpoint holds nor how the optimizer
-    groups them (its saved state loads group by group): compare both models' state-dict shapes and optimizer
-    groups (built on the meta device: no memory) before anything is written."""
+def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
+    """Before anything is written: the checkpoint's tensors (their names and shapes as stored, not as its
+    config says: it may come from another trmoe version) must fit the model this config builds, and a
+    force_resume may not change how the optimizer groups the parameters either (its saved state loads group
+    by group). Both models are built on the meta device: no memory."""
     from trmoe.config.resolve import model_spec
     from trmoe.model.transformer import TRMoETransformer
     from trmoe.train.controls import freeze_scheduled_gates
     from trmoe.train.optim import group_layout
     from trmoe.train.schedule import build_schedules
 
-    stored = _stored_config(info.meta)
-    if stored is None:
-        return
-
-    def layout(config: Config) -> tuple[dict[str, tuple[int, ...]], list]:
+    def build(config: Config) -> TRMoETransformer:
         with torch.device("meta"):
             model = TRMoETransformer(model_spec(config))
         freeze_scheduled_gates(model, build_schedules(config))
-        return {k: tuple(v.shape) for k, v in model.state_dict().items()}, group_layout(
-            model, config.optimizer
-        )
+        return model
 
-    (old, old_groups), (new, new_groups) = layout(stored), layout(cfg)
+    try:
+        old = model_shapes(info)
+    except CheckpointError as e:
+        raise UserError(f"checkpoint unusable: {e} (nothing was changed)") from None
+    model = build(cfg)
+    new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if old != new:
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} -> {new.get(changed[0], ABSENT)}"
+        if forced:
+            raise UserError(
+                f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
+                f"{info.path} (e.g. {example}) (nothing was changed)"
+            )
         raise UserError(
-            f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
-            f"{info.path} (e.g. {changed[0]}: {old.get(changed[0])} -> {new.get(changed[0])}); "
-            "(nothing was changed)"
+            f"checkpoint {info.path} does not fit this model: {len(changed)} tensors differ "
+            f"(e.g. {example}); resume it with the trmoe version that wrote it (nothing was changed)"
         )
+    stored = _stored_config(info.meta) if forced else None
+    if stored is None:  # not forced (same config, same groups), or a config from another trmoe version
+        return
+    old_groups, new_groups = group_layout(build(stored), stored.optimizer), group_layout(model, cfg.optimizer)
     if old_groups != new_groups:
         first = next(
             (i for i, (a, b) in enumerate(zip(old_groups, new_groups, strict=False)) if a != b),
