@@ -56,6 +56,7 @@ def test_only_ffn_takes_compile():
         layer_args("dispatch", None, ["--compile"])
 
 
+TINY_LOSS = ["--tokens", "8", "--hidden", "4", "--kinds", "full"]
 BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line must name)
     (["nope"], ["'nope'", "'ffn', 'dispatch', 'loss', 'step', 'data'"]),
     (["ffn", "--tokens", "0"], ["bench ffn", "--tokens", "'0'", ">= 1"]),
@@ -73,6 +74,14 @@ BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line
     (["step", "--model", "tiny", "--steps", "1", "model=nope"], ["model/nope", "allowed: 100m"]),
     (["data", "--workers", "0,-1"], ["bench data", "--workers", "'0,-1'", ">= 0"]),
     (["data", "--dir", "a_file"], ["--dir", "'a_file'", "a directory"]),
+    # nan would never skip the full logits, -1 always (small sizes: a missing check runs them)
+    (["loss", "--max-gb", "nan", *TINY_LOSS], ["bench loss", "--max-gb", "'nan'", "a finite number > 0"]),
+    (["loss", "--max-gb", "-1", *TINY_LOSS], ["--max-gb", "'-1'", "a finite number > 0"]),
+    # the train app's device selection: no CPU measurement recorded as hardware=cuda
+    (
+        ["step", "--device", "cpu", "hardware=cuda", "--model", "tiny", "--steps", "1", "--seq", "32"],
+        ["config error", "hardware", "cuda"],
+    ),
 ]
 IDS = [" ".join(argv) for argv, _ in BAD_INPUTS]
 # through the real command line as well (a fresh interpreter importing torch each, ~2 s of CPU): the
@@ -96,6 +105,46 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, names, tmp_
     (tmp_path / "a_file").write_text("not a directory\n")
     code = main(argv)
     _assert_one_line(code, *capsys.readouterr(), names, tmp_path / "results.jsonl")
+
+
+@pytest.mark.parametrize("where", ["TRMOE_RESULTS=<a directory>", "a file named bench in the cwd"])
+def test_an_unwritable_results_path_is_refused_before_the_benchmark(where, tmp_path, monkeypatch, capsys):
+    from trmoe.bench.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    if where.startswith("TRMOE_RESULTS"):
+        monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path))
+        names = [f"TRMOE_RESULTS={tmp_path} is a directory"]
+    else:
+        monkeypatch.delenv("TRMOE_RESULTS", raising=False)
+        (tmp_path / "bench").write_text("mine\n")
+        names = ["results file bench/results.jsonl: bench is a file, not a directory"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["ffn", "--tokens", "8", "--reps", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", err  # nothing measured
+    (line,) = err.splitlines()
+    assert line.startswith("trmoe: bench: ") and all(name in line for name in names), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["routing.top_k=9"], ["config error", "routing.top_k=9"]),
+        (["trainer.steps=abc"], ["config error", "trainer.steps=abc"]),
+        (["--steps", "0"], ["--steps", "'0'", ">= 1"]),  # was a StatisticsError
+        (["--log-every", "0"], ["--log-every", "'0'", ">= 1"]),  # was a ZeroDivisionError
+        (["--block", "0"], ["--block", "'0'", ">= 1"]),  # looped forever
+    ],
+)
+def test_telemetry_overhead_refuses_bad_input_in_one_line(argv, names, capsys):
+    from trmoe.tools.telemetry_overhead import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert out == "" and line.startswith("trmoe: ") and all(name in line for name in names), line
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +212,19 @@ def test_loss_measures_each_backend_in_its_own_process(tmp_path, monkeypatch):
 
 def test_data_times_reads_prepare_and_the_stream(tmp_path, monkeypatch):
     monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
+    # --dir holds the user's own files under the names the benchmark writes: they stay as they are
+    scratch = tmp_path / "scratch"
+    mine = {"corpus.txt": "my corpus\n", "shard": "my shard\n", "pq/part-0.parquet": "my table\n"}
+    for name, text in mine.items():
+        (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / name).write_text(text)
     args = ["data", "--shard-mb", "1", "--text-mb", "1", "--reps", "1", "--micro-batch", "2"]
-    args += ["--seq-len", "64", "--workers", "0,1", "--dir", str(tmp_path / "scratch")]
+    args += ["--seq-len", "64", "--workers", "0,1", "--dir", str(scratch)]
     out = run_cli(args, tmp_path, timeout=300, module="trmoe.bench")
     assert out.returncode == 0, out.stderr[-2000:]
+    left = {str(p.relative_to(scratch)) for p in scratch.rglob("*") if p.is_file()}
+    assert left == set(mine) and all((scratch / n).read_text() == t for n, t in mine.items())
+    assert sorted(p.name for p in scratch.iterdir()) == ["corpus.txt", "pq", "shard"]  # its own dir removed
     (line,) = (json.loads(text) for text in (tmp_path / "results.jsonl").read_text().splitlines())
     assert line["bench"] == "data" and line["shard"]["shard_tokens"] == 2**20 // 4
     assert set(line["prepare"]["prepare"]) == set(line["stream"]) == {"0", "1"}

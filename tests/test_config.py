@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import CONF_DIR, FAST_CPU, compose_config, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -153,7 +154,14 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (["trainer.steps=abc"], "trainer.steps=abc"),
         # grids are not optional: a misspelt one must not silently run the default single job
         (["experiment=routing_ablation_smok"], "allowed: attention_matched, attention_matched_smoke,"),
-        (["arm=topk/nope"], "Could not find 'arm/topk/nope'"),
+        # arm is a group of grids: the allowed list names the grids, or the arms of the grid named
+        (["arm=topk/nope"], "Could not find 'arm/topk/nope'; allowed: topk/dense, topk/k1, topk/k2_p050,"),
+        (["arm=nope"], "allowed: attention_matched/..., routing_ablation/..., topk/..."),
+        (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
+        (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),
+        # a group takes one option: Hydra raised a ValueError for a number, and merged a list silently
+        (["=5"], "=5: names no key; allowed: <key>=<value>, <group>=<option>"),
+        (["model=[tiny,50m]"], "model=[tiny,50m]: the model group takes one option; allowed: 100m, 1b,"),
         # every job of a sweep composes before Hydra writes the sweep directory
         (["--multirun", "routing=modulo_cyclic,balanced_hashh"], "[sweep job 1: routing=balanced_hashh]"),
         (["experiment=topk_smoke", "trainer.steps=1,x"], "trainer.steps=x"),
@@ -165,6 +173,32 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("trmoe: config error: ") and needle in lines[0], lines
     assert "Traceback" not in result.stderr
+    assert list(tmp_path.rglob("*")) == []
+
+
+@pytest.mark.parametrize("name", ["a/../../b", "../x", "../../../escape"])
+def test_cli_a_run_name_outside_runs_creates_no_directory(tmp_path: Path, name: str):
+    """Hydra makes hydra.run.dir before the job validates run.name: a '..' must be refused before that,
+    or it leaves directories behind, even above the launch directory."""
+    launch = tmp_path / "up" / "launch"
+    launch.mkdir(parents=True)
+    result = run_cli([f"run.name={name}", "trainer.steps=1"], cwd=launch, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        f"trmoe: config error: run.name={name!r}: must name a directory inside runs/ "
+        "(a/b nests; no '..', not absolute)"
+    )
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["up", "up/launch"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"), [("--hlep", "unrecognized arguments: --hlep"), ("--cfg=jobb", "'jobb'")]
+)
+def test_cli_hydra_flag_errors_are_one_line(tmp_path: Path, flag: str, needle: str):
+    result = run_cli([flag], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trmoe: train: ") and needle in lines[0], result.stderr
     assert list(tmp_path.rglob("*")) == []
 
 
@@ -212,3 +246,20 @@ def test_configuration_reference_is_generated_from_the_schema():
     assert doc == render(), "docs/configuration.md is stale: run python -m trmoe.tools.configdoc"
     rows = [line for line in doc.splitlines() if line.startswith("| `")]
     assert rows and all(not line.endswith("|  |") for line in rows), "every option needs a meaning"
+
+
+def test_an_experiment_file_of_ones_own_composes_on_top_of_trmoes_config(tmp_path: Path):
+    """README, "Your own experiment file": a YAML whose defaults start with trmoe's config."""
+    (tmp_path / "myconf").mkdir()
+    (tmp_path / "myconf" / "pilot.yaml").write_text(
+        "defaults:\n  - config\n  - override model: 100m\n  - override attention: mha\n  - _self_\n\n"
+        "trainer:\n  steps: 2000\nrun:\n  name: pilot-mha\n"
+    )
+    args = ["--config-dir", "myconf", "--config-name", "pilot", "--cfg", "job", "trainer.seed=7"]
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    job = yaml.safe_load(result.stdout)
+    chosen = (job["model"]["name"], job["attention"]["kind"], job["run"]["name"])
+    assert chosen == ("100m", "mha", "pilot-mha")
+    assert job["trainer"]["steps"] == 2000 and job["trainer"]["seed"] == 7  # the command line still applies
+    assert not (tmp_path / "runs").exists()

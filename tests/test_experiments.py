@@ -195,6 +195,34 @@ def test_match_cli_prints_every_arm_before_launching(tmp_path, monkeypatch, caps
     assert list(tmp_path.iterdir()) == []  # nothing launched, nothing written
 
 
+def test_match_cli_splits_arms_as_a_shell_does_and_names_what_is_allowed(tmp_path, monkeypatch, capsys):
+    from trmoe.match import expand_arms, main
+
+    monkeypatch.chdir(tmp_path)
+    arm = "data.text_path='a b.txt' run.name=x"
+    assert expand_arms(["data=text"], [arm]) == [["data=text", "data.text_path=a b.txt", "run.name=x"]]
+    # an arm that does not compose says what is allowed, as the train app does
+    assert main(["model=tiny,nosuch"]) == 2
+    assert "error: config error: In 'config': Could not find 'model/nosuch'; allowed: 100m, 1b," in (
+        capsys.readouterr().out
+    )
+    # a group takes one option (Hydra merges a list of them): refused in an arm and for every arm
+    assert main(["--arm", "model=[tiny,50m]"]) == 2
+    assert (
+        "error: config error: model=[tiny,50m]: the model group takes one option" in capsys.readouterr().out
+    )
+    for argv, line in [
+        (["model=[tiny,50m]"], "match: config error: model=[tiny,50m]: the model group takes one option;"),
+        (["--arm", "data.text_path='a b.txt"], "match: --arm: No closing quotation"),
+        (["--bogus"], "match: unrecognized arguments: --bogus; allowed: see python -m trmoe.match --help"),
+    ]:
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"trmoe: {line}"), captured.err
+        assert len(captured.err.splitlines()) == 1, captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- a real sweep and its report ----------------------------------------------------------------------
 
 

@@ -255,6 +255,19 @@ def test_throughput_gives_the_eta_and_mfu():
         (["trainer.steps=5", "--tokens", "1e6"], "trainer.steps"),
         (["trainer.micro_batch=0"], "trainer.micro_batch"),
         (["hardware=cpu", "hardware.precision=bf16"], "hardware.precision"),
+        # numbers beyond what a float holds: no OverflowError / decimal.Overflow traceback
+        (["model=tiny", "--tokens", "1e400"], "--tokens: '1e400' is too large; allowed: at most 1e18"),
+        (["model=tiny", "--world", "1e400"], "--world: '1e400' is too large"),
+        (["model=tiny", "--tokens", "1e999999999"], "--tokens: '1e999999999' is not a positive whole number"),
+        (["model=tiny", "--tokens", "1e18", "--tok-s", "1e-300"], "--tok-s: the step time, ETA or FLOP/s"),
+        (["model=tiny", "--mfu", "1", "--peak-tflops", "1e300"], "--mfu, --peak-tflops: "),
+        # the launcher's counts: neither a negative world nor a silent 1 for 0
+        (["hardware=slurm_local_test", "hydra.launcher.nodes=-3"], "hydra.launcher.nodes=-3: must be"),
+        (["hardware=slurm_local_test", "hydra.launcher.nodes=0"], "hydra.launcher.nodes=0: must be"),
+        (
+            ["hardware=slurm_local_test", "hydra.launcher.tasks_per_node=-1", "--tokens", "1B"],
+            "hydra.launcher.tasks_per_node=-1: must be a positive",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):

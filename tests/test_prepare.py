@@ -233,3 +233,26 @@ def test_cli_out_that_is_a_file_is_one_line_and_writes_nothing(tmp_path):
     with pytest.raises(UserError, match="none of the 20 documents into eval"):  # fails after mkdir
         prepare(str(tmp_path / "good.txt"), tmp_path / "new" / "deeper" / "out", eval_fraction=0.001)
     _no_output(tmp_path / "new")  # ... and leaves none of the parents it made behind
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["c.txt", "--bogus", "--out", "ds"], "data.prepare: unrecognized arguments: --bogus"),
+        (["c.txt"], "data.prepare: the following arguments are required: --out"),
+        (["verify"], "data.prepare verify: the following arguments are required: paths"),
+    ],
+)
+def test_usage_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
+    """argparse's own errors (an unknown option, a missing --out or path) as one line, not its usage block."""
+    from trmoe.data.prepare import main
+
+    (tmp_path / "c.txt").write_text("one document\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"trmoe: {needle}; allowed: see python -m trmoe.")
+    assert len(captured.err.splitlines()) == 1, captured.err
+    assert os.listdir(tmp_path) == ["c.txt"]

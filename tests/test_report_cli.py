@@ -102,3 +102,23 @@ def test_unreadable_run_records_are_reported_not_a_crash(run_dir, tmp_path):
     warning = next(line for line in md.splitlines() if "unreadable records" in line)
     assert warning.startswith("- **4 run(s) with unreadable records") and "good" not in warning
     assert "array: run_config.json unreadable" in warning and "truncated: run_config.json" in warning
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "the following arguments are required: paths"),
+        (["runs", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_usage_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
+    """argparse's own errors (an unknown option, no path) as one line, not its usage block."""
+    from trmoe.report.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"trmoe: report: {needle}; allowed: see python -m trmoe.report --help\n"
+    )
+    assert list(tmp_path.iterdir()) == []

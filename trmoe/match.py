@@ -3,8 +3,9 @@ arm of a grid, before anything is launched.
 
 The arms are every combination of the grid's `hydra.sweeper.params` (from `experiment=<name>`) and of the
 comma-separated sweep overrides on the command line (`attention=gqa,mha`), each extended by every `--arm`
-(a quoted list of overrides) when some are given. Each arm is composed and resolved exactly as
-`python -m trmoe.train` would do it, so `model.match_params` is solved per arm:
+(a quoted list of overrides, split as a shell splits a command line: `--arm "data.text_path='my corpus.txt'"`)
+when some are given. Each arm is composed and resolved exactly as `python -m trmoe.train` would do it, so
+`model.match_params` is solved per arm:
 
     python -m trmoe.match experiment=attention_matched
     python -m trmoe.match model=100m model.gates=false model.match_params=99487680 \
@@ -15,25 +16,30 @@ Exit code 2 when an arm does not resolve (its row shows the error).
 
 from __future__ import annotations
 
-import argparse
 import json
+import shlex
 import sys
 
+from trmoe.cli import Parser
 from trmoe.errors import UserError
 
 
 def expand_arms(overrides: list[str], arms: list[str]) -> list[list[str]]:
     """The override list of every arm, in launch order (the basic sweeper's cartesian product), each
-    extended by every --arm."""
+    extended by every --arm (split as a shell splits it, so that a quoted value keeps its spaces)."""
     from trmoe.config.sweep import sweep_jobs
 
+    try:
+        extra = [shlex.split(arm) for arm in arms]
+    except ValueError as e:  # an unclosed quote
+        raise UserError(f"match: --arm: {e}; allowed: overrides quoted as in a shell") from None
     try:
         jobs, _ = sweep_jobs(overrides)
     except UserError as e:
         raise UserError(f"match: {e}") from None
     if not arms:
         return jobs
-    return [[*job, *arm.split()] for job in jobs for arm in arms]
+    return [[*job, *arm] for job in jobs for arm in extra]
 
 
 def _ffn_text(spec) -> str:
@@ -47,18 +53,20 @@ def solve_arm(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_module
 
     from trmoe.config.match import solve_match
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import check_group_overrides, compose_error, model_spec, to_config
     from trmoe.model.transformer import parameter_counts
 
     row: dict = {"overrides": overrides}
     try:
+        job = [o for o in overrides if not o.startswith("hydra.")]
+        check_group_overrides(job)
         with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-            raw = compose("config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+            raw = compose("config", overrides=job)
         cfg = to_config(raw)
     except UserError as e:
         return {**row, "error": str(e)}
-    except Exception as e:  # a composition error names the bad override
-        return {**row, "error": str(e).splitlines()[0]}
+    except Exception as e:  # Hydra's composition errors, as the train app words them
+        return {**row, "error": compose_error(e)}
     spec = model_spec(cfg)
     counts = parameter_counts(spec)
     match = solve_match(cfg)
@@ -114,15 +122,15 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m trmoe.match",
         description="Solved widths and total/active parameters of every arm, before launching.",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm; a,b sweeps them")
     parser.add_argument("--arm", "-a", action="append", default=[], help='one arm: "key=value key=value"')
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         arms = expand_arms(args.overrides, args.arm)
     except UserError as e:
         print(f"trmoe: {e}", file=sys.stderr)

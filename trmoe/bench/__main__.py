@@ -1,18 +1,40 @@
 """python -m trmoe.bench <name> [options]: ffn, dispatch, loss, step, data.
 
-Bad input (an unknown benchmark or option, a value out of range, an unknown config key) is one line on
-stderr and exit code 2, before any benchmark work starts and before anything is recorded.
+Results are appended to bench/results.jsonl, or to $TRMOE_RESULTS. Bad input (an unknown benchmark or
+option, a value out of range, an unknown config key, a results path that is a directory or lies under a
+file) is one line on stderr and exit code 2, before any benchmark work starts and before anything is
+recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
-from trmoe.bench.common import Parser, run_cli
+from trmoe.bench.common import RESULTS, Parser, run_cli
+from trmoe.errors import UserError, file_in_the_way
 
 BENCHES = ("ffn", "dispatch", "loss", "step", "data")
+
+
+def check_results_path() -> Path:
+    """The results file `record` appends to (bench/results.jsonl or $TRMOE_RESULTS), checked before any
+    benchmark runs: a measurement must not be lost to a path it cannot be written to."""
+    path = Path(os.environ.get("TRMOE_RESULTS", RESULTS))
+    name = f"TRMOE_RESULTS={path}" if "TRMOE_RESULTS" in os.environ else f"results file {path}"
+    allowed = "allowed: a writable file path, e.g. TRMOE_RESULTS=results.jsonl"
+    if path.is_dir():
+        raise UserError(f"bench: {name} is a directory; {allowed}")
+    blocker = file_in_the_way(path.parent)
+    if blocker is not None:
+        raise UserError(f"bench: {name}: {blocker} is a file, not a directory; {allowed}")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"bench: {name}: {existing} is not writable; {allowed}")
+    return path
 
 
 def _bench(argv: list[str]) -> None:
@@ -22,6 +44,7 @@ def _bench(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.bench is None:
         parser.error(f"name a benchmark; allowed: {', '.join(BENCHES)}")
+    check_results_path()
     importlib.import_module(f"trmoe.bench.{args.bench}").main(args.options)
 
 

@@ -15,21 +15,12 @@ from pathlib import Path
 
 import torch
 
+from trmoe.cli import Parser
 from trmoe.errors import UserError
 from trmoe.model.routing import STRATEGIES
 
 RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype of the layer benchmarks takes
-
-
-class Parser(argparse.ArgumentParser):
-    """The command line of a benchmark: bad input raises UserError, which `python -m trmoe.bench` prints as
-    one line (exit code 2) before any benchmark work starts."""
-
-    def error(self, message: str):
-        if "allowed" not in message and "choose from" not in message:
-            message += f"; allowed: see {self.prog} --help"
-        raise UserError(f"{self.prog.removeprefix('python -m trmoe.')}: {message}")
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> int:

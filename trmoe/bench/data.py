@@ -1,7 +1,7 @@
 """`data`: how fast the data path is — token-shard reads, shard verification, the prepare tool and the
 streamed Parquet reader. Not a test: figures go to bench/results.jsonl (and docs/data.md).
 
-    python -m trmoe.bench data [--shard-mb 256] [--text-mb 16] [--reps 5]
+    python -m trmoe.bench data [--shard-mb 256] [--text-mb 16] [--reps 5] [--dir DIR]
 
 Shard reads are timed with a warm page cache (the file was just written): they measure the gather and the
 copy into int64 tensors, not the disk. Each figure is the median of --reps repetitions.
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trmoe.bench.common import Parser, positive_int, record, run_cli
-from trmoe.errors import file_in_the_way
+from trmoe.errors import UserError, file_in_the_way
 
 
 def _median_s(fn, reps: int, warmup: int = 1) -> float:
@@ -191,6 +191,18 @@ def _scratch_dir(text: str) -> Path:
     return path
 
 
+def _make_scratch(parent: Path | None) -> Path:
+    """A new, empty directory of its own (inside `parent` when given): the benchmark writes fixed names
+    (corpus.txt, shard, pq/) that must never replace a user's files."""
+    if parent is None:
+        return Path(tempfile.mkdtemp(prefix="trmoe-bench-data-"))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="trmoe-bench-data-", dir=parent))
+    except OSError as e:
+        raise UserError(f"bench data: --dir {parent}: {e.strerror}; allowed: a writable directory") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m trmoe.bench data", description=__doc__)
     parser.add_argument(
@@ -208,11 +220,15 @@ def main(argv: list[str] | None = None) -> None:
         default=f"0,1,{os.cpu_count() or 1}",
         help="worker counts to compare",
     )
-    parser.add_argument("--dir", type=_scratch_dir, help="scratch directory (default: a temporary one)")
+    parser.add_argument(
+        "--dir",
+        type=_scratch_dir,
+        help="where the scratch files go (e.g. the disk to measure): a fresh directory made inside it and "
+        "removed afterwards, so nothing already there is touched (default: the system's temporary directory)",
+    )
     args = parser.parse_args(argv)
     workers = args.workers
-    scratch = Path(tempfile.mkdtemp(prefix="trmoe-bench-data-")) if args.dir is None else args.dir
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = _make_scratch(args.dir)
     try:
         shard = bench_shard(scratch, args.shard_mb, args.reps, args.micro_batch, args.seq_len)
         seq_tok, shuf_tok = shard["read_sequential_tokens_per_s"], shard["read_shuffled_tokens_per_s"]
@@ -239,8 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             {"shard": shard, "prepare": prep, "tokenizer": tokenizer, "stream": stream, "reps": args.reps},
         )
     finally:
-        if args.dir is None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ of h and W, which every path returns. Target: the chunked path's extra peak <= 2
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -104,6 +106,17 @@ def run(
     return results
 
 
+def _positive_gb(text: str) -> float:
+    """argparse type of --max-gb: a finite number > 0 (nan would never skip, a negative one always)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a finite number > 0, e.g. 12")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--child":
@@ -118,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         "--kinds", nargs="+", choices=KINDS, help="default: chunked torch full, +liger on GPU"
     )
     add_device(parser)
-    parser.add_argument("--max-gb", type=float, default=12.0, help="skip full logits needing more than this")
+    parser.add_argument(
+        "--max-gb", type=_positive_gb, default=12.0, help="skip full logits needing more than this (GiB, > 0)"
+    )
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     kinds = ["chunked", "torch", "full", *(["liger"] if gpu else [])] if args.kinds is None else args.kinds

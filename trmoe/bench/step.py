@@ -15,6 +15,7 @@ from importlib import resources
 import torch
 
 from trmoe.bench.common import Parser, add_device, matmul_peak_flops, positive_int, record, sync
+from trmoe.config.schema import HardwareConfig
 from trmoe.errors import UserError
 from trmoe.model.flops import flops_per_token  # the formula the planner uses too
 from trmoe.train import env
@@ -24,8 +25,9 @@ PROFILES = resources.files("trmoe.conf") / "model"  # the model profiles --model
 MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.name.endswith(".yaml"))
 
 
-def _components(overrides: list[str], compile_model: bool = False):
-    """The validated config and model spec of one arm; UserError (one line) for a bad override or value."""
+def compose_arm(overrides: list[str], compile_model: bool = False):
+    """The validated config and model spec of one arm, composed as the train app composes it; UserError (one
+    line) for a bad override or value."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
 
@@ -54,7 +56,7 @@ class Arm:
         from trmoe.train.controls import TrainingControls
         from trmoe.train.optim import build_optimizer
 
-        cfg, self.spec = _components(overrides, compile_model)
+        cfg, self.spec = compose_arm(overrides, compile_model)
         self.overrides, self.device, self.compile, self.t, self.env = (
             overrides,
             device,
@@ -163,6 +165,27 @@ def measure(
     return {name: arm.result() for name, arm in built.items()}, peak
 
 
+def hardware_preset(device: torch.device) -> str:
+    """The hardware option whose runs use `device` (ROCm builds of torch name their GPUs cuda too)."""
+    if device.type == "cuda":
+        return "rocm" if torch.version.hip is not None else "cuda"
+    return device.type
+
+
+def check_device(hw: HardwareConfig, device: torch.device) -> None:
+    """The train app's device selection and precision check for an arm's config (a device this machine lacks
+    is its one-line UserError); the selected device must be the one measured, since the result line records
+    the overrides as what ran."""
+    selected = env.select_device(hw)
+    if selected.type != device.type:
+        raise UserError(
+            f"config error: hardware.device={hw.device.value} selects {selected.type}, not the --device "
+            f"{device} bench step measures; allowed: hardware={hardware_preset(device)}, "
+            f"or --device {selected.type}"
+        )
+    env.autocast_dtype(hw, device)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m trmoe.bench step", description=__doc__)
     parser.add_argument(
@@ -187,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             f"trainer.micro_batch={batch}",
             f"trainer.seq_len={args.seq}",
             "data=embedded",
-            *(["hardware=cuda"] if device.type == "cuda" else []),
+            f"hardware={hardware_preset(device)}",
             *args.overrides,
         ]
         runs[model] = {"tr": base}
@@ -195,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             runs[model]["dense"] = [*base, "model.num_experts=1", "routing.top_k=1"]
     for arms in runs.values():  # every arm's config checked before any work starts or anything is recorded
         for overrides in arms.values():
-            env.autocast_dtype(_components(overrides, args.compile)[0].hardware, device)
+            check_device(compose_arm(overrides, args.compile)[0].hardware, device)
     measured_peak = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterator
+from importlib.resources import files
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -16,20 +17,77 @@ from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec
 
 
-def compose_error(e: Exception) -> str:
+def compose_error(e: BaseException) -> str:
     """One line from a Hydra composition error (unknown key, bad value, missing group option, bad syntax)."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
 
+    for cause in _chain(e):  # a UserError raised while composing (run.name in hydra.run.dir) says it all
+        if isinstance(cause, UserError):
+            return str(cause)
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     head = lines[0] if lines else type(e).__name__
     if isinstance(e, MissingConfigException):  # a group option that does not exist
+        # Hydra lists no options for a group of groups (arm=<grid>/<arm>): the tree's folders then
         options = [o for o in e.options or [] if not o.startswith("base_")]
+        options = options or group_options(e.missing_cfg_file)
         return f"config error: {head}" + (f"; allowed: {', '.join(options)}" if options else "")
+    if isinstance(e, OverrideParseException):  # the grammar's message does not say which override
+        return f"config error: {e.override}: {head}"
     cause = e.__cause__
     detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
     if not detail and len(lines) > 1 and not lines[1].startswith(("To append", "See ")):
         detail = lines[1]
     return f"config error: {head}" + (f" ({detail})" if detail and detail not in head else "")
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """The exception and those it was raised from or while handling (OmegaConf wraps a resolver's error)."""
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def group_options(path: str) -> list[str]:
+    """What a group takes at the deepest existing folder of `path` (a group, or a missing option such as
+    'arm/topk/nosuch') in the packaged config tree, written as the group's value: its options (`topk/dense`)
+    and its nested groups (`topk/...`), which Hydra's own error does not list."""
+    parts = path.split("/")
+    folder = files("trmoe.conf")
+    depth = 0
+    while depth < len(parts) and (folder / parts[depth]).is_dir():
+        folder, depth = folder / parts[depth], depth + 1
+    if depth == 0:
+        return []
+    prefix = "".join(f"{part}/" for part in parts[1:depth])
+    return sorted(
+        f"{prefix}{entry.name}/..." if entry.is_dir() else f"{prefix}{entry.name.removesuffix('.yaml')}"
+        for entry in folder.iterdir()
+        if (entry.is_dir() and not entry.name.startswith("_")) or entry.name.endswith(".yaml")
+    )
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """A config group takes one option name. Hydra merges a list of them into one config (`model=[tiny,50m]`
+    trains a merged model) and refuses any other value (`=5`) with a traceback: a UserError naming the
+    override and the group's options instead. A sweep (`model=tiny,50m`) is checked job by job. Overrides
+    that do not parse raise Hydra's OverrideParseException (see compose_error)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        group, value = override.key_or_group, override.value()
+        deletion = override.is_delete() and value is None  # `~model`
+        if override.is_sweep_override() or isinstance(value, str | dict) or deletion:
+            continue  # an option, a sweep, a dict merged into the group's node
+        if not group:
+            raise UserError(
+                f"config error: {override.input_line}: names no key; allowed: <key>=<value>, <group>=<option>"
+            )
+        options = group_options(group) if "/" not in group else []  # the top-level groups of the tree
+        if options:
+            raise UserError(
+                f"config error: {override.input_line}: the {group} group takes one option; "
+                f"allowed: {', '.join(options)}"
+            )
 
 
 def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, list[str]]]:

@@ -14,6 +14,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from trmoe.errors import UserError
+
 
 class AttentionKind(str, Enum):
     gqa = "gqa"  # grouped-query: model.num_kv_heads key/value heads
@@ -333,8 +335,19 @@ GROUPS: dict[str, Any] = {
 }
 
 
+def check_run_name(name: str | None) -> None:
+    """run.name names a directory inside runs/. Checked where hydra.run.dir resolves it, before Hydra makes
+    that directory: a '..' would leave directories behind, even outside the launch directory."""
+    if name is not None and (not name.strip() or name.startswith(("/", "~")) or ".." in name.split("/")):
+        raise UserError(
+            f"config error: run.name={name!r}: must name a directory inside runs/ "
+            "(a/b nests; no '..', not absolute)"
+        )
+
+
 def _run_name(name: str | None, *parts: str) -> str:
-    return name if name else "-".join(str(p) for p in parts)
+    check_run_name(name)
+    return name if name is not None else "-".join(str(p) for p in parts)
 
 
 def register() -> None:

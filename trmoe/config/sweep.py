@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hydra.types import RunMode
 
-from trmoe.config.resolve import compose_error
+from trmoe.config.resolve import check_group_overrides, compose_error
 from trmoe.errors import UserError
 
 
@@ -25,6 +25,7 @@ def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
     parser = OverridesParser.create()
     try:
         parsed = parser.parse_overrides(list(overrides))
+        check_group_overrides(overrides)
         fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
         with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
             cfg = compose("config", overrides=fixed, return_hydra_config=True)
@@ -44,6 +45,8 @@ def check_jobs_compose(jobs: list[list[str]]) -> None:
     with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
         for number, job in enumerate(jobs):
             try:
-                compose("config", overrides=[o for o in job if not o.startswith("hydra.")])
+                overrides = [o for o in job if not o.startswith("hydra.")]
+                check_group_overrides(overrides)
+                compose("config", overrides=overrides)
             except Exception as e:
                 raise UserError(f"{compose_error(e)} [sweep job {number}: {' '.join(job)}]") from None

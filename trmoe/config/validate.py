@@ -16,6 +16,7 @@ from trmoe.config.schema import (
     OptimizerName,
     SampleOrder,
     SpikePolicy,
+    check_run_name,
 )
 from trmoe.errors import UserError
 from trmoe.model.routing import MAX_EXPERTS, MAX_HASH_COUNT
@@ -198,9 +199,7 @@ def _validate_streamed_data(d) -> None:
 def _validate_reliability(cfg: Config) -> None:
     """trainer.resume, checkpoint.* and guard.* (docs/reliability.md)."""
     t, c, g = cfg.trainer, cfg.checkpoint, cfg.guard
-    name = cfg.run.name
-    if name is not None and (not name.strip() or name.startswith(("/", "~")) or ".." in name.split("/")):
-        _fail("run.name", repr(name), "must name a directory inside runs/ (a/b nests; no '..', not absolute)")
+    check_run_name(cfg.run.name)  # (also where hydra.run.dir resolves it, before Hydra makes the directory)
     if not t.resume.strip():
         _fail("trainer.resume", "''", "allowed: auto, never, or the path of a checkpoint or run directory")
     if c.every_steps < 0:

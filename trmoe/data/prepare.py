@@ -14,7 +14,6 @@ as *.partial and renamed when complete; any error removes them.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import glob
 import hashlib
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
@@ -444,8 +444,8 @@ def _verify(paths: list[str]) -> None:
             )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> Parser:
+    parser = Parser(
         prog="python -m trmoe.data.prepare",
         description="Tokenize text into a train/eval pair of o200k token shards (docs/data.md). "
         "`python -m trmoe.data.prepare verify DIR...` checks shards.",
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["verify"]:
-            verify = argparse.ArgumentParser(prog="python -m trmoe.data.prepare verify")
+            verify = Parser(prog="python -m trmoe.data.prepare verify")
             verify.add_argument("paths", nargs="+", help="shard directories or prepared dataset directories")
             _verify(verify.parse_args(argv[1:]).paths)
             return
@@ -494,10 +494,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         _print_summary(Path(args.out).expanduser().resolve(), summary)
     except UserError as exc:
-        print(f"trmoe.data.prepare: {exc}", file=sys.stderr)
+        print(f"trmoe: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        print("trmoe.data.prepare: interrupted; partial files removed", file=sys.stderr)
+        print("trmoe: data.prepare: interrupted; partial files removed", file=sys.stderr)
         sys.exit(130)
 
 

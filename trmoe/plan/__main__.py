@@ -6,7 +6,8 @@ and ETA of a run, from the same Hydra overrides `python -m trmoe.train` takes. W
         trainer.seq_len=2048 trainer.activation_checkpointing=true --tokens 200B --mfu 0.35 --peak-tflops 989
     python -m trmoe.plan model=100m hardware=cuda --world 8 --tokens 2B --tok-s-per-gpu 150000 --json
 
-Bad input (an unknown key, a bad value, a negative token count) is one line on stderr and exit code 2.
+Bad input (an unknown key, a bad value, a negative or huge token count, a launcher count below 1) is one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -15,22 +16,18 @@ import argparse
 import json
 import sys
 
+from trmoe.cli import Parser
 from trmoe.errors import UserError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, like every other user error of trmoe
-        raise UserError(f"plan: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="python -m trmoe.plan",
         description="Plan a run from its config: parameters, tokens per step, steps, FLOPs per token, "
         "memory per GPU, ETA. Nothing is written.",
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m trmoe.train")
-    p.add_argument("--tokens", help="target training tokens (20e9, 20B, 500M); sets the steps")
+    p.add_argument("--tokens", help="target training tokens (20e9, 20B, 500M; at most 1e18); sets the steps")
     p.add_argument(
         "--world", "--gpus", dest="world", help="ranks for torchrun (SLURM presets give their own)"
     )

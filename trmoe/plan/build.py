@@ -15,31 +15,34 @@ Nothing is written and no device is touched: the model is built on the meta devi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from dataclasses import astuple, dataclass
+from decimal import Decimal, DecimalException
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trmoe.config.resolve import compose_error
+from trmoe.config.resolve import check_group_overrides, compose_error
 from trmoe.config.schema import Config, Device, Precision
 from trmoe.errors import UserError
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
-def parse_count(option: str, text: str, examples: str = "20e9, 20B, 500M") -> int:
-    """'20e9', '20B', '500M', '2.5T', '1_000_000' -> a positive integer (K/M/B(=G)/T are powers of 1000)."""
+def parse_count(option: str, text: str, examples: str = "20e9, 20B, 500M", upper: int = 10**18) -> int:
+    """'20e9', '20B', '500M', '2.5T', '1_000_000' -> a positive integer (K/M/B(=G)/T are powers of 1000) up to
+    `upper`, which keeps every figure derived from it (FLOPs, bytes, seconds) within float range."""
     raw = text.strip().replace("_", "").replace(",", "")
     scale = SUFFIXES.get(raw[-1:].upper(), 1) if raw else 1
     if scale != 1:
         raw = raw[:-1]
     try:
         value = Decimal(raw) * scale
-    except InvalidOperation:
+    except DecimalException:  # not a number, or an exponent beyond Decimal's range
         value = None
     if value is None or not value.is_finite() or value <= 0 or value != value.to_integral_value():
         raise UserError(f"{option}: {text!r} is not a positive whole number; allowed: e.g. {examples}")
+    if value > upper:
+        raise UserError(f"{option}: {text!r} is too large; allowed: at most {upper:.0e}".replace("e+", "e"))
     return int(value)
 
 
@@ -62,6 +65,7 @@ def compose_run_config(overrides: list[str]) -> DictConfig:
     import trmoe.config.schema  # noqa: F401  (registers the schemas)
 
     try:
+        check_group_overrides(list(overrides))  # one option per group: a list would plan a merged model
         with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
             return compose("config", overrides=list(overrides), return_hydra_config=True)
     except Exception as e:  # Hydra's composition errors (and OmegaConf's, which it wraps)
@@ -80,9 +84,19 @@ def launcher_world(cfg: DictConfig) -> tuple[str, int | None, str]:
     launcher = OmegaConf.select(cfg, "hydra.runtime.choices", default={}).get("hydra/launcher") or "basic"
     if "submitit" not in launcher:
         return launcher, None, ""
-    nodes = int(OmegaConf.select(cfg, "hydra.launcher.nodes", default=1) or 1)
-    tasks = int(OmegaConf.select(cfg, "hydra.launcher.tasks_per_node", default=1) or 1)
+    nodes, tasks = (_launcher_count(cfg, key) for key in ("nodes", "tasks_per_node"))
     return launcher, nodes * tasks, f"hydra.launcher: {nodes} nodes x {tasks} tasks per node"
+
+
+def _launcher_count(cfg: DictConfig, key: str) -> int:
+    """hydra.launcher.<key>, a count of nodes or of tasks: submitit passes it to SLURM as given, so a value
+    below 1 is an error here rather than a plan for a negative or silently changed world."""
+    value = OmegaConf.select(cfg, f"hydra.launcher.{key}", default=1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(
+            f"config error: hydra.launcher.{key}={value}: must be a positive integer; allowed: 1, 2, ..."
+        )
+    return value
 
 
 def decide_world(cfg: DictConfig, world_option: int | None) -> World:
@@ -128,6 +142,9 @@ class Throughput:
     tok_s_per_gpu: float | None = None
     mfu: float | None = None
     peak_flops: float | None = None  # per GPU
+
+
+RATE_OPTIONS = ("--tok-s", "--tok-s-per-gpu", "--mfu", "--peak-tflops")  # the Throughput fields, in order
 
 
 def make_plan(
@@ -275,12 +292,19 @@ def eta(
         return None
     per_gpu = total / world
     achieved = flops_per_token * per_gpu
-    return {
+    figures = {
         "tok_s": total,
         "tok_s_per_gpu": per_gpu,
-        "source": source,
         "step_s": tokens_per_step / total,
         "eta_s": run_tokens / total,
         "model_flops_per_gpu": achieved,
         "mfu": achieved / peak if peak else None,
     }
+    # an extreme rate (or peak) overflows or underflows a float: no figure to print, no valid JSON
+    if not all(0 < v < math.inf for v in figures.values() if v is not None) or (peak and math.isinf(peak)):
+        given_options = [o for o, v in zip(RATE_OPTIONS, astuple(given), strict=True) if v is not None]
+        raise UserError(
+            f"{', '.join(given_options)}: the step time, ETA or FLOP/s of this run fall outside float range; "
+            "allowed: realistic rates, e.g. --tok-s 1e6 or --mfu 0.4 --peak-tflops 989"
+        )
+    return {**figures, "source": source}

@@ -9,16 +9,16 @@ report or an argument is bad (--out is a file, --peak-tflops not a positive numb
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from trmoe.cli import Parser
 from trmoe.errors import UserError
 from trmoe.report.build import REPORT_MD, build_report, parse_peak
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trmoe.report", description=__doc__.split("\n\n")[1])
+    parser = Parser(prog="python -m trmoe.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
     parser.add_argument(
         "--out", type=Path, default=None, help="write the report here (default: next to the runs)"
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
         rep = build_report(
             args.paths,

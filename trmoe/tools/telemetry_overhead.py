@@ -11,15 +11,14 @@ step time of each and the relative overhead. No files are written.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 
 import torch
-from hydra import compose, initialize_config_module
 
-import trmoe.config.schema  # noqa: F401  (registers the schemas)
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.bench.common import Parser, positive_int, run_cli
+from trmoe.bench.step import compose_arm
 from trmoe.data.pipeline import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train import env
@@ -46,18 +45,19 @@ def _step(model, optimizer, tel, inputs, targets, log: bool) -> None:
             tel.collect(0, grad_sq)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant")
-    parser.add_argument("--log-every", type=int, default=10, help="log cadence (collection, grad norms)")
-    parser.add_argument("--block", type=int, default=5, help="steps per alternating block")
+def measure(argv: list[str]) -> None:
+    """Bad options or overrides raise UserError (one line) before anything is built or timed."""
+    parser = Parser(prog="python -m trmoe.tools.telemetry_overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=positive_int, default=40, help="timed steps per variant")
+    parser.add_argument(
+        "--log-every", type=positive_int, default=10, help="log cadence (collection, grad norms)"
+    )
+    parser.add_argument("--block", type=positive_int, default=5, help="steps per alternating block")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data=random")
     args = parser.parse_args(argv)
-    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-        cfg = to_config(compose("config", overrides=["hardware=cpu", *args.overrides]))
+    cfg, spec = compose_arm(["hardware=cpu", *args.overrides])  # composed and validated as the train app does
     device = env.select_device(cfg.hardware)
     env.configure(cfg.hardware, device)
-    spec = model_spec(cfg)
     data = build_data(cfg, spec.vocab_size)
     t = cfg.trainer
     torch.manual_seed(t.seed)
@@ -97,5 +97,10 @@ def main(argv: list[str] | None = None) -> None:
         )
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The exit code: 0, or 2 after one line on stderr for bad input."""
+    return run_cli(measure, sys.argv[1:] if argv is None else argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -82,12 +82,13 @@ def _app(cfg: DictConfig) -> float:
 
 
 def _is_composition_error(e: BaseException) -> bool:
-    """A config that cannot be composed (Hydra's and OmegaConf's exceptions), as opposed to a failure of
+    """A config that cannot be composed (Hydra's and OmegaConf's exceptions, and the ValueError of Hydra's
+    defaults list for a group override it cannot take, e.g. `hydra/launcher=5`), as opposed to a failure of
     the job itself, which keeps its traceback."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(e, HydraException | OmegaConfBaseException)
+    return isinstance(e, HydraException | OmegaConfBaseException | ValueError)
 
 
 def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
@@ -104,18 +105,23 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     return float("nan")
 
 
-def _check_sweep(argv: list[str]) -> None:
-    """Every job of a sweep composes, before Hydra writes anything (its multirun.yaml comes first, the
-    jobs' configs one by one later). Single runs need no check: their errors come before any write."""
+def _precheck(argv: list[str]) -> None:
+    """What can be refused before Hydra writes anything: its command line, parsed as Hydra parses it but with
+    one-line errors (Hydra prints its usage block); a group given more than one option; and every job of a
+    sweep, which must compose (Hydra writes multirun.yaml first, the jobs' configs one by one later). A
+    single run's composition errors come before any write."""
     from hydra._internal.utils import get_args_parser
 
+    from trmoe.cli import Parser
+    from trmoe.config.resolve import check_group_overrides
     from trmoe.config.sweep import check_jobs_compose, sweep_jobs
 
-    args, _ = get_args_parser().parse_known_args(argv)
-    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.run:
-        return
-    if args.config_dir or args.config_path or args.config_name:
+    args = Parser(prog="python -m trmoe.train", parents=[get_args_parser()], add_help=False).parse_args(argv)
+    if args.config_dir or args.config_path or args.config_name or args.shell_completion:
         return  # another config tree than the packaged one: Hydra composes it (and reports its errors)
+    check_group_overrides(args.overrides)
+    if args.help or args.hydra_help or args.cfg or args.info or args.run:
+        return
     if not args.multirun and not any(o.startswith("experiment=") for o in args.overrides):
         return  # only a grid (experiment=...) switches to a sweep by itself
     jobs, multirun = sweep_jobs(args.overrides)
@@ -128,12 +134,12 @@ def main() -> None:
     # several lines and exits 1. Told to raise them instead, it leaves the reporting to trmoe: one line, 2.
     user_asked = os.environ.get("HYDRA_FULL_ERROR") == "1"
     try:
-        _check_sweep(sys.argv[1:])
+        _precheck(sys.argv[1:])
     except UserError as e:
         print(f"trmoe: {e}", file=sys.stderr)
         sys.exit(2)
-    except Exception:  # a sweep the check cannot expand itself (e.g. glob()): Hydra does it
-        pass
+    except Exception:  # an override that does not parse, a sweep the check cannot expand (glob()): Hydra
+        pass  # composes them and reports its errors below
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _app()
@@ -147,7 +153,10 @@ def main() -> None:
         if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too
             print(f"trmoe: {compose_error(e)}", file=sys.stderr)
             sys.exit(2)
-        if isinstance(e, OSError):  # Hydra making the run or sweep directory
+        if isinstance(e, BrokenPipeError):  # `--help | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)  # 128 + SIGPIPE, as a shell reports it
+        if isinstance(e, OSError) and e.filename is not None:  # Hydra making the run or sweep directory
             why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
             print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
             sys.exit(2)
