@@ -116,3 +116,53 @@ def spawn_ranks(worker: Callable, args: tuple, nprocs: int = 2, timeout_s: float
             for proc in context.processes:
                 proc.kill()
             pytest.fail(f"{worker.__name__}: {nprocs} ranks did not finish within {timeout_s:.0f} s")
+
+
+def module_hooks(model) -> int:
+    """Forward (pre-)hooks on the model's modules, and global ones."""
+    from torch.nn.modules import module
+
+    on_modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return on_modules + len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
+
+
+def watch_training(monkeypatch) -> list[dict]:
+    """Patches train() to keep, per run: its TrainingControls (`controls`), the hooks on the model at each
+    training forward (`hooks`), the grad-enabled runs of block 0's attention (`attention`: a training
+    forward, or its recomputation in the backward) and the tokens of every grad-enabled shared-expert SwiGLU
+    call (`shared_rows`). Module hooks do not see a recomputation: the functions are wrapped instead."""
+    import torch
+
+    from trmoe.model import moe
+    from trmoe.train import loop
+    from trmoe.train.controls import TrainingControls
+
+    runs: list[dict] = []
+    real_swiglu = moe.swiglu
+
+    def swiglu(x, w_in, w_out):
+        if runs and torch.is_grad_enabled() and any(w_in is w for w in runs[-1]["shared_w_in"]):
+            runs[-1]["shared_rows"].append(x.shape[0])
+        return real_swiglu(x, w_in, w_out)
+
+    class Watched(TrainingControls):
+        def __init__(self, cfg, model, device):
+            super().__init__(cfg, model, device)
+            run = {"controls": self, "hooks": [], "attention": 0, "shared_rows": []}
+            run["shared_w_in"] = [b.ffn.shared.w_in for b in model.blocks if b.ffn.shared is not None]
+            runs.append(run)
+            attention = model.blocks[0].attn.forward
+
+            def counted(*args, **kwargs):
+                run["attention"] += torch.is_grad_enabled()
+                return attention(*args, **kwargs)
+
+            model.blocks[0].attn.forward = counted
+
+        def forward(self, inputs):
+            runs[-1]["hooks"].append(module_hooks(self.model))
+            return super().forward(inputs)
+
+    monkeypatch.setattr(moe, "swiglu", swiglu)
+    monkeypatch.setattr(loop, "TrainingControls", Watched)
+    return runs

@@ -10,17 +10,14 @@ import os
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config
+from conftest import FAST_CPU, compose_config, watch_training
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import UserError
-from trmoe.model import moe
 from trmoe.model.moe import SharedExpert
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import loop
 from trmoe.train.checkpoint import load_checkpoint
-from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 
@@ -158,38 +155,6 @@ def test_shared_expert_token_chunking_is_memory_only():
     assert chunked[4] < 0.5 * whole[4]  # the [n, 3W] intermediates are recomputed, not kept
     with torch.no_grad():
         torch.testing.assert_close(shared(x), whole[0], rtol=1e-6, atol=1e-6)
-
-
-def watch_training(monkeypatch) -> list[dict]:
-    """Patches train() to keep, per run: its TrainingControls, the grad-enabled runs of block 0's
-    attention (a training forward, or its recomputation in the backward) and the tokens of every
-    grad-enabled shared-expert SwiGLU call. Module hooks do not see a recomputation: the functions are
-    wrapped instead."""
-    runs: list[dict] = []
-    real_swiglu = moe.swiglu
-
-    def swiglu(x, w_in, w_out):
-        if runs and torch.is_grad_enabled() and any(w_in is w for w in runs[-1]["shared_w_in"]):
-            runs[-1]["shared_rows"].append(x.shape[0])
-        return real_swiglu(x, w_in, w_out)
-
-    class Watched(TrainingControls):
-        def __init__(self, cfg, model, device):
-            super().__init__(cfg, model, device)
-            run = {"controls": self, "attention": 0, "shared_rows": []}
-            run["shared_w_in"] = [b.ffn.shared.w_in for b in model.blocks if b.ffn.shared is not None]
-            runs.append(run)
-            attention = model.blocks[0].attn.forward
-
-            def counted(*args, **kwargs):
-                run["attention"] += torch.is_grad_enabled()
-                return attention(*args, **kwargs)
-
-            model.blocks[0].attn.forward = counted
-
-    monkeypatch.setattr(moe, "swiglu", swiglu)
-    monkeypatch.setattr(loop, "TrainingControls", Watched)
-    return runs
 
 
 def test_memory_controls_leave_the_run_unchanged(tmp_path, monkeypatch):

@@ -8,13 +8,11 @@ import logging
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config
+from conftest import FAST_CPU, compose_config, watch_training
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Progress
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import loop
-from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.progress import ProgressReporter
@@ -39,41 +37,6 @@ def tiny_model():
     cfg = to_config(compose_config("data=random", "model.vocab_size=64"))
     torch.manual_seed(0)
     return TRMoETransformer(model_spec(cfg))
-
-
-def module_hooks(model: torch.nn.Module) -> int:
-    """Forward (pre-)hooks on the model's modules, and global ones."""
-    from torch.nn.modules import module
-
-    on_modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    return on_modules + len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
-
-
-def watch_training(monkeypatch) -> list[dict]:
-    """Patches train() to keep, per run: its TrainingControls, the hooks on the model at each training
-    forward, and the grad-enabled runs of block 0's attention (a training forward, or its recomputation in
-    the backward: module hooks do not see a recomputation, so the method itself is wrapped)."""
-    runs: list[dict] = []
-
-    class Watched(TrainingControls):
-        def __init__(self, cfg, model, device):
-            super().__init__(cfg, model, device)
-            run = {"controls": self, "hooks": [], "attention": 0}
-            runs.append(run)
-            attention = model.blocks[0].attn.forward
-
-            def counted(*args, **kwargs):
-                run["attention"] += torch.is_grad_enabled()
-                return attention(*args, **kwargs)
-
-            model.blocks[0].attn.forward = counted
-
-        def forward(self, inputs):
-            runs[-1]["hooks"].append(module_hooks(self.model))
-            return super().forward(inputs)
-
-    monkeypatch.setattr(loop, "TrainingControls", Watched)
-    return runs
 
 
 def test_off_costs_nothing_and_writes_nothing(tmp_path, monkeypatch):
