@@ -71,6 +71,12 @@ BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line
     (["step", "--steps", "0"], ["--steps", "'0'", ">= 1"]),
     (["step", "--model", "tiny", "--seq", "99999"], ["trainer.seq_len=99999", "model.max_seq_len"]),
     (["step", "--model", "tiny", "--steps", "1", "bogus.key=1"], ["config error", "bogus.key"]),
+    # a list would benchmark (and record) a merged config; a number is Hydra's ValueError
+    (
+        ["step", "--model", "tiny", "--steps", "1", "attention=[gqa,mha]"],
+        ["attention group takes one option", "gqa, mha"],
+    ),
+    (["step", "--model", "tiny", "--steps", "1", "model=5"], ["model=5", "model group takes one option"]),
     (["step", "--model", "tiny", "--steps", "1", "model=nope"], ["model/nope", "allowed: 100m"]),
     (["data", "--workers", "0,-1"], ["bench data", "--workers", "'0,-1'", ">= 0"]),
     (["data", "--dir", "a_file"], ["--dir", "'a_file'", "a directory"]),

@@ -73,6 +73,43 @@ def test_keep_last_prunes_oldest_and_never_the_newest(tmp_path):
     assert [s for s, _ in every.step_dirs()] == [5, 6, 7]
 
 
+def test_a_kill_inside_a_re_save_of_a_step_keeps_that_step(tmp_path, monkeypatch):
+    """A re-save of the same step (a spike rollback's) sets the old copy aside, then moves the new one in.
+    Killed between the two renames, the set-aside copy is that checkpoint: found, verified and loaded, and
+    put back under its name by the next save (it was deleted as a leftover, the run restarted from 0)."""
+    import os
+
+    model, optimizer = _model_and_optimizer(steps=2)
+    store = CheckpointStore(tmp_path, keep_last=1)
+    store.save(5, model=model, optimizer=optimizer, local_state={"copy": "first"}, meta={})
+    real_rename, renames = os.rename, []
+
+    def killed_after_the_first(src, dst):
+        renames.append(dst)
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # the process dies here: nothing after runs
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(5, model=model, optimizer=optimizer, local_state={"copy": "second"}, meta={})
+    monkeypatch.setattr(os, "rename", real_rename)
+    (tmp_path / ".step_00000005.tmp").mkdir(exist_ok=True)  # the kill also leaves the new copy's directory
+    assert not (tmp_path / "step_00000005").exists()
+    found = store.newest_good()
+    assert found is not None and found.step == 5
+    fresh, fresh_opt = _model_and_optimizer(seed=1)
+    assert store.load(found, model=fresh, optimizer=fresh_opt) == {"copy": "first"}
+    _assert_same(model, fresh, optimizer, fresh_opt)
+    store.save(6, model=model, optimizer=optimizer, local_state={}, meta={})  # keep_last=1: 6 alone stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000006"]
+    keep = CheckpointStore(tmp_path / "b", keep_last=0)
+    keep.save(5, model=model, optimizer=optimizer, local_state={}, meta={})
+    (tmp_path / "b" / "step_00000005").rename(tmp_path / "b" / ".step_00000005.old")
+    keep.save(6, model=model, optimizer=optimizer, local_state={}, meta={})  # the leftover goes back
+    assert [s for s, _ in keep.step_dirs()] == [5, 6] and (tmp_path / "b" / "step_00000005").is_dir()
+
+
 def test_unusable_checkpoints_are_reported_and_skipped(tmp_path, caplog):
     model, optimizer = _model_and_optimizer()
     store = CheckpointStore(tmp_path, keep_last=0)

@@ -454,6 +454,10 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
     # nor the tokens per step: the steps already run read their samples and counted tokens by it
     with pytest.raises(UserError, match=r"cannot change the tokens per step \(256 -> 512"):
         _train_in_process(run_dir, *SMALL, "trainer.micro_batch=8", "trainer.force_resume=true")
+    with pytest.raises(UserError) as refused:  # so the first refusal does not suggest force_resume
+        _train_in_process(run_dir, *SMALL, "trainer.micro_batch=8")
+    assert "cannot change even with trainer.force_resume=true" in str(refused.value)
+    assert "to continue anyway" not in str(refused.value)
     assert _tree_digest(run_dir) == before
     _train_in_process(
         run_dir,
@@ -858,6 +862,10 @@ def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished
     assert _train_in_process(run_dir, *SMALL) == final
     recorded = json.loads((run_dir / "status.json").read_text())
     assert recorded["status"] == "finished" and recorded["final_eval_loss"] == final
+    # a failure the run recorded itself stays (a guard that stopped the last step saved it too)
+    status.write_status(run_dir, status.FAILED, error="RunFailed: stopped at step 4")
+    _train_in_process(run_dir, *SMALL)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
 
 
 # ------------------------------------------------------- damaged or foreign records: refused before writes

@@ -288,3 +288,26 @@ def test_hardware_settings_are_set_both_ways_for_the_next_job_of_a_process():
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+
+
+def test_a_failed_run_with_the_progress_bar_leaves_no_log_handler_behind(tmp_path, monkeypatch):
+    """The bar redirects logging; a run that fails must undo it before its train.log is detached, or the
+    next run in the process logs into the failed run's file."""
+    import gc
+    import logging
+
+    from trmoe.train.controls import TrainingControls
+
+    real_begin = TrainingControls.begin_step
+
+    def failing(self, step, optimizer):
+        if step == 2:
+            raise RuntimeError("a fault in step 2")
+        return real_begin(self, step, optimizer)
+
+    monkeypatch.setattr(TrainingControls, "begin_step", failing)
+    with pytest.raises(RuntimeError, match="a fault in step 2"):
+        train(compose_config(*FAST, "trainer.steps=3", "run.progress=bar"), tmp_path / "failed")
+    gc.collect()  # a redirect left open restores its saved handlers when collected
+    files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    assert not any("failed" in name for name in files), files

@@ -50,23 +50,15 @@ def _ffn_text(spec) -> str:
 
 
 def solve_arm(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_module
-
     from trmoe.config.match import solve_match
-    from trmoe.config.resolve import check_group_overrides, compose_error, model_spec, to_config
+    from trmoe.config.resolve import compose_packaged, model_spec, to_config
     from trmoe.model.transformer import parameter_counts
 
     row: dict = {"overrides": overrides}
     try:
-        job = [o for o in overrides if not o.startswith("hydra.")]
-        check_group_overrides(job)
-        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-            raw = compose("config", overrides=job)
-        cfg = to_config(raw)
-    except UserError as e:
+        cfg = to_config(compose_packaged([o for o in overrides if not o.startswith("hydra.")]))
+    except UserError as e:  # composition errors worded as the train app words them
         return {**row, "error": str(e)}
-    except Exception as e:  # Hydra's composition errors, as the train app words them
-        return {**row, "error": compose_error(e)}
     spec = model_spec(cfg)
     counts = parameter_counts(spec)
     match = solve_match(cfg)

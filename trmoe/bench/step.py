@@ -28,18 +28,9 @@ MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.na
 def compose_arm(overrides: list[str], compile_model: bool = False):
     """The validated config and model spec of one arm, composed as the train app composes it; UserError (one
     line) for a bad override or value."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
+    from trmoe.config.resolve import compose_packaged, model_spec, to_config
 
-    import trmoe.config.schema  # noqa: F401
-    from trmoe.config.resolve import compose_error, model_spec, to_config
-
-    overrides = [*overrides, *(["trainer.compile=true"] if compile_model else [])]
-    try:
-        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-            cfg = to_config(compose("config", overrides=overrides))
-    except HydraException as e:  # an unknown key or group option, a bad value, bad syntax
-        raise UserError(compose_error(e)) from None
+    cfg = to_config(compose_packaged([*overrides, *(["trainer.compile=true"] if compile_model else [])]))
     return cfg, model_spec(cfg)
 
 

@@ -90,6 +90,24 @@ def check_group_overrides(overrides: list[str]) -> None:
             )
 
 
+def compose_packaged(overrides: list[str], *, hydra_node: bool = False) -> DictConfig:
+    """The packaged config with these overrides, composed as the train app composes it (one option per
+    group first), with the hydra node when asked (hydra.launcher sizes the world); writes nothing. Every
+    composition error is a one-line UserError (compose_error): the tools' shared entrance."""
+    from hydra import compose, initialize_config_module
+
+    import trmoe.config.schema  # noqa: F401  (registers the schemas)
+
+    try:
+        check_group_overrides(list(overrides))
+        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+            return compose("config", overrides=list(overrides), return_hydra_config=hydra_node)
+    except UserError:
+        raise
+    except Exception as e:  # Hydra's and OmegaConf's errors, and the ValueError of a group it cannot take
+        raise UserError(compose_error(e)) from None
+
+
 def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, list[str]]]:
     """(dotted key, the keys its section has) for each key the schema does not define: Hydra's `+key=value`
     adds one even to a structured config, and converting to the dataclasses would silently drop it."""

@@ -157,7 +157,8 @@ def read_index(directory: str | Path) -> dict[str, Any]:
 
 def _from_legacy(legacy: dict[str, Any], path: Path) -> dict[str, Any]:
     """A trmoe index for a shard the previous runner wrote: its fields, EOS from `eos_token_id`, partition
-    `train` unless it names one, no text bytes (bits per byte stay undefined), and its tokenizer hash kept
+    `train` unless it names one, text bytes 0 (unknown; bits per byte come from the decoded held-out
+    batches anyway, for an o200k_base shard), and its tokenizer hash kept
     in `source` only: it hashed a tokenizer directory, not the rank file trmoe checks (`converted_from`
     tells the reader not to compare it)."""
     for key, kind in _LEGACY_FIELDS.items():

@@ -21,7 +21,7 @@ from decimal import Decimal, DecimalException
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trmoe.config.resolve import check_group_overrides, compose_error
+from trmoe.config.resolve import compose_packaged
 from trmoe.config.schema import Config, Device, Precision
 from trmoe.errors import UserError
 
@@ -60,16 +60,7 @@ def parse_positive(option: str, text: str, upper: float | None = None) -> float:
 def compose_run_config(overrides: list[str]) -> DictConfig:
     """The primary config with these overrides, hydra node included (hydra.launcher gives the world size),
     composed from the packaged tree exactly as the train app composes it. Writes nothing."""
-    from hydra import compose, initialize_config_module
-
-    import trmoe.config.schema  # noqa: F401  (registers the schemas)
-
-    try:
-        check_group_overrides(list(overrides))  # one option per group: a list would plan a merged model
-        with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
-            return compose("config", overrides=list(overrides), return_hydra_config=True)
-    except Exception as e:  # Hydra's composition errors (and OmegaConf's, which it wraps)
-        raise UserError(compose_error(e)) from None
+    return compose_packaged(overrides, hydra_node=True)
 
 
 @dataclass(frozen=True)

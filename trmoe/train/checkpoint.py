@@ -48,6 +48,9 @@ META = "meta.json"
 LATEST = "latest"
 TORCH_PAYLOAD = "model_optim.pt"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# The copy a re-save of the same step set aside (`_move_into_place`): the checkpoint itself while no
+# step_N stands beside it (a kill between the re-save's two renames).
+REPLACED_DIR = re.compile(r"^\.(step_\d{8,})\.old$")
 _CHUNK = 8 << 20
 
 
@@ -280,14 +283,20 @@ class CheckpointStore:
     # -------------------------------------------------------------------------------------------- listing
 
     def step_dirs(self) -> list[tuple[int, Path]]:
-        """(step, path) of every directory named like a complete checkpoint, oldest first."""
+        """(step, path) of every directory named like a complete checkpoint, oldest first; a set-aside copy
+        of a step (`.step_N.old`) stands in for step_N when a kill left no step_N."""
         if not self.directory.is_dir():
             return []
+        paths = [p for p in self.directory.iterdir() if p.is_dir()]
+        names = {p.name for p in paths}
         found = []
-        for path in self.directory.iterdir():
+        for path in paths:
             match = STEP_DIR.match(path.name)
-            if match and path.is_dir():
+            replaced = REPLACED_DIR.match(path.name)
+            if match:
                 found.append((int(match.group(1)), path))
+            elif replaced and replaced.group(1) not in names:
+                found.append((int(replaced.group(1).removeprefix("step_")), path))
         return sorted(found)
 
     def verify(self, path: Path) -> CheckpointInfo:
@@ -400,7 +409,8 @@ class CheckpointStore:
         return files
 
     def _move_into_place(self, tmp: Path, final: Path) -> None:
-        if final.exists():  # a re-save of the same step: the new copy replaces it
+        if final.exists():  # a re-save of the same step: the new copy replaces it (a kill between the two
+            # renames leaves the old copy as .step_N.old, which step_dirs and _remove_leftovers take back)
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
@@ -412,9 +422,13 @@ class CheckpointStore:
             fsync_dir(self.directory)
 
     def _remove_leftovers(self) -> None:
-        """Temporary directories of saves or prunes that a kill interrupted (rank 0, before a save)."""
-        for path in self.directory.iterdir():
-            if path.name.startswith(".step_") and path.is_dir():
+        """Temporary directories of saves or prunes that a kill interrupted (rank 0, before a save); the
+        set-aside copy of an interrupted re-save goes back under its checkpoint's name."""
+        for path in list(self.directory.iterdir()):
+            replaced = REPLACED_DIR.match(path.name)
+            if replaced and path.is_dir() and not (self.directory / replaced.group(1)).exists():
+                os.rename(path, self.directory / replaced.group(1))
+            elif path.name.startswith(".step_") and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:

@@ -123,8 +123,10 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
             cfg.trainer.steps,
         )
         recorded = status.read_status(run_dir)
-        if rank == 0 and not (isinstance(recorded, dict) and recorded.get("status") == status.FINISHED):
-            # killed after its final checkpoint, before it could say so
+        said = recorded.get("status") if isinstance(recorded, dict) else None
+        if rank == 0 and said in (None, status.RUNNING):
+            # killed after its final checkpoint, before it could say so (a failure it recorded stays: a guard
+            # that stopped the last step also saved it)
             status.write_status(run_dir, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
@@ -147,8 +149,8 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         log_handler = distributed.attach_rank_log(run_dir, rank, early)
     distributed.barrier()
     try:
-        with signals.StopSignals() as stop:
-            final = _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop)
+        with signals.StopSignals() as stop, contextlib.ExitStack() as cleanup:
+            final = _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop, cleanup)
         if rank == 0:
             status.write_status(run_dir, status.FINISHED, final_eval_loss=final)
         return final
@@ -178,8 +180,9 @@ def _guard_verdict(guard, step: int, ce, objective, tokens: int, grad_norm) -> g
 
 
 def _train(
-    cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, spec, data, plan, store, stop
+    cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, spec, data, plan, store, stop, cleanup
 ) -> float:
+    """The run itself; `cleanup` closes what must be closed however it ends (the progress display)."""
     t = cfg.trainer
     env.configure(cfg.hardware, device)
     env.seed_everything(t.seed)
@@ -264,8 +267,8 @@ def _train(
     else:  # ranks > 0 compute the same rows (the reductions are collective) but write nothing
         metrics = distributed.NullMetrics()
     controls.attach(optimizer, run_dir, write_files=rank == 0)
-    progress = ProgressReporter(
-        cfg.run.progress if rank == 0 else Progress.log, t.steps, start_step=plan.start_step
+    progress = cleanup.enter_context(
+        ProgressReporter(cfg.run.progress if rank == 0 else Progress.log, t.steps, start_step=plan.start_step)
     )
     params_list = [p for p in model.parameters() if p.requires_grad]
 
@@ -364,7 +367,7 @@ def _train(
         restore(state, load_data=False)  # the data cursor: loaded by plan.check_data
         train_time, eval_loss, last_saved = state["train_time"], state["eval_loss"], plan.start_step
         log.info("resumed at step %d from %s", plan.start_step, plan.checkpoint.path)
-        if cfg.guard.spike_policy == SpikePolicy.rollback and store.newest_good() is None:
+        if cfg.guard.spike_policy == SpikePolicy.rollback and plan.external:
             save(plan.start_step)  # continued from another run's checkpoint: something to roll back to here
     else:
         figures = _eval_figures(model, data, cfg, device, amp_dtype)

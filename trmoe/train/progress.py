@@ -11,6 +11,10 @@ log = logging.getLogger("trmoe")
 
 
 class ProgressReporter:
+    """Closed by `close()` or, whatever ends the run, by leaving it as a context manager: the bar's log
+    redirection must be undone before the run's log file is detached (else it puts the detached handler
+    back when it is collected)."""
+
     def __init__(self, mode: Progress, total_steps: int, start_step: int = 0):
         use_bar = mode == Progress.bar or (mode == Progress.auto and sys.stdout.isatty())
         self._bar = None
@@ -46,3 +50,10 @@ class ProgressReporter:
         if self._bar is not None:
             self._redirect.__exit__(None, None, None)
             self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

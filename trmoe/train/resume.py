@@ -441,14 +441,20 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
             "choose another run.name, or replace it: trainer.resume=never run.overwrite=true "
             "(nothing was changed)"
         )
+    batch_changes = "derived.global_batch_tokens" in diff.critical
     if not force:
+        also = (
+            "or set trainer.force_resume=true to continue anyway (recorded in run_config.json)"
+            if not batch_changes  # force_resume refuses that one too (below): do not suggest it
+            else "(the tokens per step cannot change even with trainer.force_resume=true: trade "
+            "trainer.micro_batch for trainer.grad_accum to keep them)"
+        )
         raise UserError(
             f"resume config mismatch with {where}: training-critical keys differ:\n{diff.render()}\n"
-            "this would silently continue a different experiment; use another run.name, restore the keys, or "
-            "set trainer.force_resume=true to continue anyway (recorded in run_config.json) "
-            "(nothing was changed)"
+            f"this would silently continue a different experiment; use another run.name, restore the keys "
+            f"{also} (nothing was changed)"
         )
-    if "derived.global_batch_tokens" in diff.critical:
+    if batch_changes:
         old, new = diff.critical["derived.global_batch_tokens"]
         raise UserError(
             f"trainer.force_resume=true cannot change the tokens per step ({old} -> {new}; micro_batch x "
