@@ -258,3 +258,65 @@ def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
     assert {"rank_00000.pt", "rank_00001.pt", ".metadata"} <= set(meta["files"])
     assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_00000002"]
     assert read_pointer(tmp_path / "ckpt") == "step_00000002"
+
+
+def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
+    """Rank `failing` cannot write its rank file (a full disk on its node) at step 2."""
+    from trmoe.train import checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        real_write = checkpoint._write_durable
+
+        def full_disk(path, payload):
+            if rank == failing and Path(path).name.startswith("rank_") and "00000002" in str(path):
+                raise OSError(28, "No space left on device")
+            return real_write(path, payload)
+
+        checkpoint._write_durable = full_disk
+        model, optimizer = _model_and_optimizer(steps=2)
+        store = CheckpointStore(Path(out) / "ckpt", keep_last=0, format="dcp", rank=rank, world_size=world)
+        store.save(1, model=model, optimizer=optimizer, local_state={}, meta={})
+        try:
+            store.save(2, model=model, optimizer=optimizer, local_state={}, meta={})
+            outcome = "saved"
+        except OSError as e:
+            outcome = str(e)
+        store.save(3, model=model, optimizer=optimizer, local_state={}, meta={})  # and the run goes on
+        Path(f"{out}/outcome{rank}.txt").write_text(outcome)
+    finally:
+        distributed.shutdown()
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path, failing):
+    """Rank 0 alone commits a checkpoint: had the others gone on (or rank 0, with another rank's file
+    missing), one side would wait forever in the next collective. Every rank raises, the step is not
+    committed, the previous checkpoint stays and the next save works."""
+    spawn_ranks(_failing_rank_worker, (2, str(tmp_path), failing))
+    outcomes = [(tmp_path / f"outcome{r}.txt").read_text() for r in range(2)]
+    assert "No space left on device" in outcomes[failing]
+    assert "failed on another rank" in outcomes[1 - failing]
+    steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_00000001", "step_00000003"]
+
+
+def test_a_dcp_checkpoint_before_the_first_step_leaves_the_optimizer_empty(tmp_path):
+    """torch's get_state_dict initialises an empty optimizer state with a zero-lr step (step counts 1): a
+    step-0 checkpoint (spike_policy=rollback saves one) made the first real AdamW update another one."""
+    model, optimizer = _model_and_optimizer(steps=0)
+    store = CheckpointStore(tmp_path, format="dcp")
+    store.save(0, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert not optimizer.state
+    info = store.verify(tmp_path / "step_00000000")
+    assert info.meta["optimizer_empty"] is True
+    fresh, fresh_opt = _model_and_optimizer(seed=1, steps=0)
+    store.load(info, model=fresh, optimizer=fresh_opt)
+    assert not fresh_opt.state  # loaded as saved: before any step

@@ -40,6 +40,7 @@ def _run(run_dir: Path, overrides: list[str], nproc: int) -> None:
         cmd += ["-m", "trmoe.train"]
     out = subprocess.run([*cmd, *TINY, *overrides], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir.parent / f"{run_dir.name}.console").write_text(out.stdout + out.stderr)  # what the user saw
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -93,6 +94,9 @@ def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
     record = json.loads((d / "run_config.json").read_text())
     assert record["world_size"] == 2 and record["strategy"] == "ddp"
     assert record["backend"]["process_group"] == "gloo"
+    console = (d.parent / "ddp.console").read_text()  # rank 0 alone speaks on the console
+    assert "process group: rank 0 of 2" in console and "rank 1 of 2" not in console
+    assert "process group: rank 1 of 2" in (d / "logs" / "rank_1.log").read_text()
     assert record["tokens_per_step"] == 4 * 32  # micro x seq x world x accum
 
 

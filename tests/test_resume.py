@@ -505,10 +505,13 @@ def test_run_directory_is_never_overwritten_without_run_overwrite(small_run, tmp
     assert {k: v for k, v in _tree_digest(run_dir).items() if not k.startswith("checkpoints")} == {
         k: v for k, v in before.items() if not k.startswith("checkpoints")
     }
-    # only resume=never with run.overwrite=true replaces it
+    # only resume=never with run.overwrite=true replaces it, the other ranks' logs of a distributed run too
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "rank_1.log").write_text("the replaced run's rank 1\n")
     _train_in_process(run_dir, *SMALL, "trainer.seed=3", "trainer.resume=never", "run.overwrite=true")
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["config"]["trainer"]["seed"] == 3 and rc["resumes"] == []
+    assert not (run_dir / "logs").exists()
     assert [int(r["step"]) for r in _rows(run_dir)] == [0, 1, 2, 3, 4]
 
 

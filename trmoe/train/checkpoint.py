@@ -216,6 +216,24 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _agree(failure: BaseException | None) -> None:
+    """Every rank raises when any rank's part of a save failed (ENOSPC on one disk, say), so that all of
+    them go on the same way, none left waiting in a collective; a no-op when none failed. Collective."""
+    if _dist_active():
+        from trmoe.train.distributed import collective_device
+
+        flag = torch.tensor([0 if failure is None else 1], device=collective_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and failure is None:
+            raise OSError("the checkpoint write failed on another rank (see its log)")
+    if failure is not None:
+        raise failure
+
+
+def _empty(optimizer) -> bool:
+    return not any(o.state for o in _optimizers(optimizer))
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -350,23 +368,37 @@ class CheckpointStore:
         final = self.directory / step_name(step)
         tmp = self.directory / f".{step_name(step)}.tmp"
         try:
+            failure = None
             if self.rank == 0:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._remove_leftovers()
-                tmp.mkdir()
-            _barrier()
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    self._remove_leftovers()
+                    tmp.mkdir()
+                except OSError as e:
+                    failure = e
+            _agree(failure)
+            empty = _empty(optimizer)  # (no step taken yet: the state must stay empty, see _write_payload)
             files = self._write_payload(tmp, model, optimizer)
-            files[rank_file(self.rank)] = _write_durable(tmp / rank_file(self.rank), local_state)
+            try:
+                files[rank_file(self.rank)] = _write_durable(tmp / rank_file(self.rank), local_state)
+            except OSError as e:
+                failure = e
+            _agree(failure)
             files = self._gather_files(files, tmp)
             if self.rank == 0:
                 record = {"format_version": FORMAT_VERSION, "format": self.format, "step": step, **meta}
                 record["world_size"] = self.world_size
                 record["files"] = files
-                _write_text_durable(tmp / META, json.dumps(record, indent=1, sort_keys=True) + "\n")
-                fsync_dir(tmp)
-                self._move_into_place(tmp, final)
-                write_pointer(self.directory, final.name)
-                self._prune()
+                record["optimizer_empty"] = empty
+                try:
+                    _write_text_durable(tmp / META, json.dumps(record, indent=1, sort_keys=True) + "\n")
+                    fsync_dir(tmp)
+                    self._move_into_place(tmp, final)
+                    write_pointer(self.directory, final.name)
+                    self._prune()
+                except OSError as e:
+                    failure = e
+            _agree(failure)
         except BaseException as e:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -389,7 +421,11 @@ class CheckpointStore:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        empty = _empty(optimizer)
         model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+        if empty:  # get_state_dict initialises an empty state with a zero-lr step: step counts would be 1
+            for inner in _optimizers(optimizer):
+                inner.state.clear()
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         with _single_process_quiet():
             dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=writer)
@@ -496,6 +532,9 @@ class CheckpointStore:
             with _single_process_quiet():
                 dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(info.path))
             set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
+            if info.meta.get("optimizer_empty"):  # saved before any step: what DCP holds is its own init
+                for inner in optimizers:
+                    inner.state.clear()
         if optimizer is not None:
             for group, values in zip(optimizer.param_groups, hyper, strict=True):
                 group.update(values)

@@ -96,6 +96,8 @@ def init(device: torch.device) -> tuple[DistEnv, torch.device]:
         index = env.local_rank % max(torch.cuda.device_count(), 1)
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
+    if env.rank > 0:
+        quiet_console()  # rank 0 alone speaks on the console; the others log into logs/rank_<r>.log
     if env.distributed and not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend_for(device), rank=env.rank, world_size=env.world_size, **kwargs)
@@ -167,11 +169,16 @@ def window_totals(window) -> dict[str, float | int]:
 def attach_rank_log(run_dir: Path, rank: int, early: records.EarlyLog | None = None) -> logging.Handler:
     """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console, starting with what `early`
     kept. Returns the file handler (the caller removes it at the end of the job)."""
+    quiet_console()
+    return records.attach_log_file(Path(run_dir) / "logs" / f"rank_{rank}.log", early)
+
+
+def quiet_console() -> None:
+    """Remove the console handlers (ranks > 0: what they log goes to their own file)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            root.removeHandler(handler)  # console: rank 0 only
-    return records.attach_log_file(Path(run_dir) / "logs" / f"rank_{rank}.log", early)
+            root.removeHandler(handler)
 
 
 def no_sync(model: torch.nn.Module, sync: bool):

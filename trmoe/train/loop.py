@@ -145,9 +145,9 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         records.write_hydra_files(run_dir, raw_cfg)
         status.write_status(run_dir, status.RUNNING)
         log_handler = records.attach_log_file(run_dir / "train.log", early)
-    else:
+    distributed.barrier()  # (prepare may replace logs/: the other ranks open their files after it)
+    if rank != 0:
         log_handler = distributed.attach_rank_log(run_dir, rank, early)
-    distributed.barrier()
     try:
         with signals.StopSignals() as stop, contextlib.ExitStack() as cleanup:
             final = _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop, cleanup)
