@@ -222,7 +222,8 @@ def test_dcp_format_run_resumes_bit_exact_and_equals_the_torch_format(tmp_path):
         assert [cut(x) for x in fa] == [cut(x) for x in fb]
 
 
-def _dcp_worker(rank: int, world: int, out: str) -> None:
+def _join(rank: int, world: int, out: str) -> None:
+    """One of `world` gloo ranks spawned by a test, meeting through a file in `out`."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -231,6 +232,10 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=120),
     )
+
+
+def _dcp_worker(rank: int, world: int, out: str) -> None:
+    _join(rank, world, out)
     try:
         model, optimizer = _model_and_optimizer(steps=2)  # identical on both ranks (replicated, as under DDP)
         store = CheckpointStore(Path(out) / "ckpt", keep_last=1, format="dcp", rank=rank, world_size=world)
@@ -264,14 +269,7 @@ def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
     """Rank `failing` cannot write its rank file (a full disk on its node) at step 2."""
     from trmoe.train import checkpoint
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    _join(rank, world, out)
     try:
         real_write = checkpoint._write_durable
 
