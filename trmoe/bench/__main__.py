@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from trmoe.bench.common import RESULTS, Parser, run_cli
+from trmoe.bench.common import Parser, results_path, run_cli
 from trmoe.errors import UserError, file_in_the_way
 
 BENCHES = ("ffn", "dispatch", "loss", "step", "data")
@@ -23,7 +23,7 @@ BENCHES = ("ffn", "dispatch", "loss", "step", "data")
 def check_results_path() -> Path:
     """The results file `record` appends to (bench/results.jsonl or $TRMOE_RESULTS), checked before any
     benchmark runs: a measurement must not be lost to a path it cannot be written to."""
-    path = Path(os.environ.get("TRMOE_RESULTS", RESULTS))
+    path = results_path()
     name = f"TRMOE_RESULTS={path}" if "TRMOE_RESULTS" in os.environ else f"results file {path}"
     allowed = "allowed: a writable file path, e.g. TRMOE_RESULTS=results.jsonl"
     if path.is_dir():

@@ -113,9 +113,14 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, 
     return 2 * n**3 / result["mm"]["median_s"]
 
 
+def results_path() -> Path:
+    """Where `record` appends: bench/results.jsonl, or $TRMOE_RESULTS."""
+    return Path(os.environ.get("TRMOE_RESULTS", RESULTS))
+
+
 def record(name: str, payload: dict, out: Path | None = None) -> dict:
     """Append one result line (with the machine it ran on) to bench/results.jsonl and return it."""
-    out = out or Path(os.environ.get("TRMOE_RESULTS", RESULTS))
+    out = out or results_path()
     entry = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **payload}
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
