@@ -134,7 +134,7 @@ def watch_training(monkeypatch) -> list[dict]:
     import torch
 
     from trmoe.model import moe
-    from trmoe.train import loop
+    from trmoe.train import trainer
     from trmoe.train.controls import TrainingControls
 
     runs: list[dict] = []
@@ -164,5 +164,5 @@ def watch_training(monkeypatch) -> list[dict]:
             return super().forward(inputs)
 
     monkeypatch.setattr(moe, "swiglu", swiglu)
-    monkeypatch.setattr(loop, "TrainingControls", Watched)
+    monkeypatch.setattr(trainer, "TrainingControls", Watched)
     return runs

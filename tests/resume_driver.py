@@ -78,16 +78,16 @@ def install(fault: str) -> None:
         TrainingControls.loss = nan_loss
 
     if kind == "eval":
-        import trmoe.train.loop as loop
+        import trmoe.train.evaluation as evaluation
 
-        evaluate = loop.evaluate
+        evaluate = evaluation.evaluate
 
         def faulty_evaluate(*args, **kwargs):
             if current["step"] == k:
                 die()
             return evaluate(*args, **kwargs)
 
-        loop.evaluate = faulty_evaluate
+        evaluation.evaluate = faulty_evaluate
 
     if kind == "save":
         save = ckpt.CheckpointStore.save

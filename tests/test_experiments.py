@@ -378,11 +378,12 @@ def test_failed_job_is_reported_and_does_not_stop_the_sweep(tmp_path):
 
 def test_a_crash_during_training_leaves_a_failed_status(tmp_path, monkeypatch):
     import trmoe.train.loop as loop
+    import trmoe.train.trainer as trainer
 
     def broken(*args, **kwargs):
         raise RuntimeError("optimizer exploded\nsecond line")
 
-    monkeypatch.setattr(loop, "build_optimizer", broken)
+    monkeypatch.setattr(trainer, "build_optimizer", broken)
     cfg = compose_config("data=random", "model.vocab_size=512", "hardware=cpu", *TINY_RUN)
     with pytest.raises(RuntimeError, match="optimizer exploded"):
         loop.train(cfg, tmp_path / "r")

@@ -26,7 +26,7 @@ from conftest import compose_config, run_cli
 from trmoe.errors import RunFailed, UserError
 from trmoe.train.checkpoint import CheckpointStore, load_checkpoint, read_pointer
 from trmoe.train.loop import train
-from trmoe.train.resume import compare, critical_hash, is_volatile, training_view
+from trmoe.train.identity import compare, critical_hash, is_volatile, training_view
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 BASE = [
@@ -824,7 +824,7 @@ def test_telemetry_csv_continues_on_resume(tmp_path):
 def test_a_key_the_attention_kind_ignores_is_no_difference():
     """mha uses one key/value head per query head and mqa one, whatever model.num_kv_heads says: two
     attempts that differ only there build the same model (under gqa it is a real difference)."""
-    from trmoe.train.resume import config_container
+    from trmoe.train.identity import config_container
 
     def view(*overrides: str) -> dict:
         return training_view(config_container(compose_config(*overrides)), None, None)

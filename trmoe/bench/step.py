@@ -61,6 +61,7 @@ class Arm:
         self.model = TRMoETransformer(self.spec).to(device)
         # as the train loop sets the model up: loss backend, torch.compile, sparse embedding gradient on CPU
         controls = TrainingControls(cfg, self.model, device)
+        controls.set_train_module(self.model)
         self.backend, self.loss_fn = controls.loss_backend, controls.loss_fn
         self.forward = controls.train_model
         self.params = count_parameters(self.model)

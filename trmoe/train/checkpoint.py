@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
+from trmoe.config.schema import CheckpointConfig
 from trmoe.errors import UserError
+from trmoe.train.rundir import CHECKPOINTS, RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -63,10 +65,6 @@ class CheckpointInfo:
     path: Path
     step: int
     meta: dict[str, Any]
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
 
 
 def step_name(step: int) -> str:
@@ -273,11 +271,12 @@ def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
 
 
 class CheckpointStore:
-    """Save, list, verify, load and prune the checkpoints of one run directory.
+    """Save, list, verify, load and prune the checkpoints of one run directory, at its cadence.
 
     `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
     when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
-    the rename, `latest` and the pruning."""
+    the rename, `latest` and the pruning. `every_steps`: the cadence `maybe_save` keeps (0 = only the final
+    step and the saves a caller forces)."""
 
     def __init__(
         self,
@@ -287,6 +286,7 @@ class CheckpointStore:
         format: str = "torch",
         rank: int = 0,
         world_size: int = 1,
+        every_steps: int = 0,
     ):
         if format not in ("torch", "dcp"):
             raise ValueError(f"checkpoint format must be torch or dcp, got {format!r}")
@@ -297,6 +297,60 @@ class CheckpointStore:
         self.format = format
         self.rank = rank
         self.world_size = world_size
+        self.every_steps = every_steps
+        self.last_saved: int | None = None  # the step this process saved last (maybe_save)
+
+    @classmethod
+    def for_run(
+        cls, cfg: CheckpointConfig, run: RunDir, rank: int = 0, world_size: int = 1
+    ) -> CheckpointStore:
+        """The store of a run directory as checkpoint.* configures it; format `auto` is resolved here, once:
+        dcp when distributed, torch otherwise."""
+        fmt = cfg.format.value
+        if fmt == "auto":
+            fmt = "dcp" if world_size > 1 else "torch"
+        if fmt == "torch" and world_size > 1:
+            raise UserError(
+                "config error: checkpoint.format=torch: distributed runs use dcp; allowed: auto, dcp"
+            )
+        return cls(
+            run.checkpoints,
+            keep_last=cfg.keep_last,
+            format=fmt,
+            rank=rank,
+            world_size=world_size,
+            every_steps=cfg.every_steps,
+        )
+
+    # -------------------------------------------------------------------------------------------- cadence
+
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Whether `step` is a checkpoint step: every `every_steps`, and the final step of a run."""
+        return final or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def maybe_save(
+        self, step: int, state: Callable[[], dict[str, Any]], *, final: bool = False
+    ) -> bool | None:
+        """Save `step` if it is due; `state()` gives `save`'s keyword arguments (asked only then). None when
+        nothing was due, else whether the checkpoint was written (see `try_save`)."""
+        return self.try_save(step, state) if self.due(step, final=final) else None
+
+    def try_save(self, step: int, state: Callable[[], dict[str, Any]]) -> bool:
+        """Save `step` now; a failed write (full disk, I/O error) is logged and returns False: the previous
+        checkpoints stay, and the caller decides whether the run can go on without this one."""
+        try:
+            self.save(step, **state())
+        except OSError as e:
+            good = self.newest_good()
+            log.error(
+                "checkpoint at step %d failed: %s; the newest complete checkpoint is still %s",
+                step,
+                e,
+                good.path.name if good else "none",
+            )
+            return False
+        self.last_saved = step
+        return True
 
     # -------------------------------------------------------------------------------------------- listing
 
@@ -579,8 +633,8 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if (path / META).exists():
         return path
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if (path / CHECKPOINTS).is_dir():
+        path = path / CHECKPOINTS
     name = read_pointer(path)
     if name and (path / name / META).exists():
         return path / name

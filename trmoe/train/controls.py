@@ -26,6 +26,7 @@ from trmoe.train.env import autocast_dtype
 from trmoe.train.loss import LossSums
 from trmoe.train.loss_backend import resolve_backend, training_loss
 from trmoe.train.optim import GroupLRs, describe_groups
+from trmoe.train.rundir import TELEMETRY
 from trmoe.train.schedule import apply_lr, build_schedules
 from trmoe.train.telemetry import MoETelemetry, TelemetryWriter
 
@@ -89,7 +90,7 @@ class TrainingControls:
             )
         self.telemetry = MoETelemetry(model, device) if cfg.telemetry.moe else None
         # evaluation and the checkpoints use `model`; the training forward goes through this one
-        self.train_model = torch.compile(model, backend=t.compile_backend) if t.compile else model
+        self.train_model: nn.Module = model
         self.values: dict[str, float | None] = {}
         self._group_lrs: GroupLRs | None = None
         self._diversity: torch.Tensor | None = None  # last penalty value (device, detached)
@@ -97,12 +98,18 @@ class TrainingControls:
         self._telemetry_writer: TelemetryWriter | None = None
 
     # --- once per run -------------------------------------------------------------------------------
-    def attach(self, optimizer, run_dir: Path, write_files: bool = True) -> None:
-        """write_files=False on ranks > 0 of a distributed job: they take part in the telemetry reduction
+    def set_train_module(self, module: nn.Module) -> None:
+        """The module the training forward runs (the model, or its DDP wrapper), compiled once here when
+        trainer.compile is on."""
+        t = self.cfg.trainer
+        self.train_model = torch.compile(module, backend=t.compile_backend) if t.compile else module
+
+    def attach(self, optimizer, telemetry_csv: Path | None) -> None:
+        """telemetry_csv=None on ranks > 0 of a distributed job: they take part in the telemetry reduction
         but rank 0 alone writes telemetry.csv."""
         self._group_lrs = GroupLRs(self.model, optimizer)
-        if self.telemetry is not None and write_files:
-            self._telemetry_writer = TelemetryWriter(run_dir / "telemetry.csv", self.telemetry.num_experts)
+        if self.telemetry is not None and telemetry_csv is not None:
+            self._telemetry_writer = TelemetryWriter(telemetry_csv, self.telemetry.num_experts)
 
     def record(self, optimizer) -> dict[str, Any]:
         """For run_config.json: what the controls resolved to."""
@@ -111,7 +118,7 @@ class TrainingControls:
             "optimizer_groups": describe_groups(optimizer),
             "schedules": self.schedules.to_dict(),
             "compile": {"enabled": self.cfg.trainer.compile, "backend": self.cfg.trainer.compile_backend},
-            "telemetry_file": "telemetry.csv" if self.telemetry is not None else None,
+            "telemetry_file": TELEMETRY if self.telemetry is not None else None,
         }
 
     def close(self) -> None:
@@ -162,7 +169,7 @@ class TrainingControls:
 
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint of `step`: telemetry.csv loses its later rows, the window its counts
-        (the checkpoint's are loaded next, by `resume.restore`)."""
+        (the checkpoint's are loaded next, by `Trainer.load_state_dict`)."""
         self._grad_sq = None
         if self.telemetry is not None:
             self.telemetry.reset()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trmoe.train import records
+from trmoe.train.rundir import RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -126,6 +126,14 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
 def barrier() -> None:
     if active():
         dist.barrier()
@@ -151,26 +159,11 @@ def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
     return list(stacked.unbind())
 
 
-def window_totals(window) -> dict[str, float | int]:
-    """The metrics window summed over ranks (one all-reduce when distributed): what a log row's means are
-    taken from, and what a checkpoint keeps for a resume with another number of ranks, whose own shares of
-    the window would not add up to it."""
-    ce, objective, tokens = all_reduce_sum(
-        window.ce, window.objective, torch.tensor(window.tokens, dtype=torch.float64)
-    )
-    return {
-        "ce": float(ce),
-        "objective": float(objective),
-        "tokens": int(tokens),
-        "world_size": dist.get_world_size() if active() else 1,
-    }
-
-
 def attach_rank_log(run_dir: Path, rank: int, early: records.EarlyLog | None = None) -> logging.Handler:
     """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console, starting with what `early`
     kept. Returns the file handler (the caller removes it at the end of the job)."""
     quiet_console()
-    return records.attach_log_file(Path(run_dir) / "logs" / f"rank_{rank}.log", early)
+    return records.attach_log_file(RunDir(run_dir).rank_log(rank), early)
 
 
 def quiet_console() -> None:
@@ -186,29 +179,3 @@ def no_sync(model: torch.nn.Module, sync: bool):
     if not sync and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-class NullMetrics:
-    """metrics.csv on ranks > 0: rows are computed (collectively) but rank 0 alone writes them."""
-
-    def write(self, row) -> None:
-        pass
-
-    def sync(self) -> dict:
-        return {}
-
-    def rewind(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def window_means(window) -> tuple[float, float]:
-    """records.MetricsWindow.means() over all ranks: sums of CE, objective and tokens, then the means."""
-    if not active():
-        return window.means()
-    totals = window_totals(window)
-    if totals["tokens"] == 0:
-        return math.nan, math.nan
-    return totals["ce"] / totals["tokens"], totals["objective"] / totals["tokens"]

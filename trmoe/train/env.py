@@ -17,10 +17,14 @@ from trmoe.config.schema import Device, HardwareConfig, Precision
 from trmoe.errors import UserError
 
 
+def mps_available() -> bool:
+    return torch.backends.mps.is_available()
+
+
 def select_device(hw: HardwareConfig) -> torch.device:
     is_rocm = torch.version.hip is not None
     has_gpu = torch.cuda.is_available()
-    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    has_mps = mps_available()
     want = hw.device
     if want == Device.auto:
         return torch.device("cuda") if has_gpu else torch.device("mps") if has_mps else torch.device("cpu")

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.errors import UserError
+from trmoe.train.rundir import RunDir
 
 SCHEMA_VERSION = 1
 
@@ -55,8 +56,6 @@ METRIC_COLUMNS = (
     "loss_spikes",  # loss spikes detected so far (guard.spike_factor)
 )
 
-RUN_FILES = ("run_config.json", "metrics.csv")
-
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -71,7 +70,7 @@ def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """What Hydra itself would write to <run dir>/.hydra: the job config, Hydra's config, the overrides."""
     from hydra.core.hydra_config import HydraConfig
 
-    hydra_dir = run_dir / ".hydra"
+    hydra_dir = RunDir(run_dir).hydra
     hydra_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     if HydraConfig.initialized():
@@ -112,7 +111,7 @@ def attach_log_file(path: Path, early: EarlyLog | None = None) -> logging.Handle
 
 def write_run_config(run_dir: Path, record: dict[str, Any]) -> None:
     write_atomic(
-        run_dir / "run_config.json", json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2)
+        RunDir(run_dir).run_config, json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2)
     )
 
 
@@ -221,48 +220,3 @@ def trim_csv(path: Path, through_step: int) -> int:
     writer.writerows(kept)
     write_atomic(path, out.getvalue())
     return len(kept)
-
-
-class MetricsWindow:
-    """The running sums behind the next metrics row. They stay on the device (no host sync until the row)
-    and are part of a checkpoint, so a row written after a resume covers the same steps as without one."""
-
-    def __init__(self, device):
-        import torch  # lazily: the app imports this module before it needs torch
-
-        from trmoe.train.env import sum_dtype
-
-        self.ce = torch.zeros((), dtype=sum_dtype(device), device=device)
-        self.objective = torch.zeros((), dtype=sum_dtype(device), device=device)
-        self.tokens = 0
-        self.time = 0.0  # training seconds in the window (tok_s)
-
-    def add(self, ce, objective, tokens: int) -> None:
-        self.ce += ce
-        self.objective += objective
-        self.tokens += tokens
-
-    def reset(self) -> None:
-        self.ce.zero_()
-        self.objective.zero_()
-        self.tokens, self.time = 0, 0.0
-
-    def means(self) -> tuple[float, float]:
-        """Mean CE and objective per token over the window (nan if every step of it was skipped)."""
-        if self.tokens == 0:
-            return math.nan, math.nan
-        return (self.ce / self.tokens).item(), (self.objective / self.tokens).item()
-
-    def state_dict(self) -> dict[str, Any]:
-        # the sums as Python floats: exact
-        return {
-            "ce": self.ce.item(),
-            "objective": self.objective.item(),
-            "tokens": self.tokens,
-            "time": self.time,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ce.fill_(state["ce"])
-        self.objective.fill_(state["objective"])
-        self.tokens, self.time = int(state["tokens"]), float(state["time"])

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from trmoe.train.records import write_atomic
+from trmoe.train.rundir import STATUS as STATUS_FILE
 
-STATUS_FILE = "status.json"
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 
 

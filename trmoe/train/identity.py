@@ -1,0 +1,151 @@
+"""Whether two attempts of a run are the same experiment: the training view, its critical hash and the diff.
+
+The stored config (in a checkpoint's meta.json, or run_config.json) and a launch's config are flattened to
+dotted keys and compared; a key is *volatile* (may change) only if it matches a pattern in VOLATILE_KEYS, so
+every other key, including keys added to the schema later, is *training-critical*. Derived values join the
+comparison: the global batch in tokens and the effective precision are critical (micro_batch, grad_accum,
+world size and hardware may change as long as they are kept), and so is the data identity (`data_info.*`,
+from the data pipeline's record). The launch decision (trmoe.train.launch) acts on the differences.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trmoe.config.schema import Config
+from trmoe.data.pipeline import global_batch_tokens
+
+ABSENT = "<absent>"
+
+# Keys that may differ between the attempts of one run (fnmatch patterns over dotted keys). Everything else
+# is training-critical. Add a key here only if changing it mid-run cannot change what is learned.
+VOLATILE_KEYS = (
+    "run.*",  # name, progress display, overwrite
+    "trainer.steps",  # extend or shorten a run (the schedules' past must stay the same: see _check_schedules)
+    "optimizer.decay_steps",  # pin the old horizon to extend a run: _check_schedules refuses any change
+    "optimizer.warmup_steps",  # that would bend the LR of the steps already run
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "trainer.resume",
+    "trainer.force_resume",
+    "trainer.micro_batch",  # with grad_accum and the world size: how the global batch is split;
+    "trainer.grad_accum",  # derived.global_batch_tokens is the critical value
+    "trainer.activation_checkpointing",  # memory, not math
+    "trainer.shared_chunk_tokens",  # memory, not math
+    "trainer.compile",  # execution, not math
+    "trainer.compile_backend",
+    "checkpoint.*",
+    "guard.*",
+    "telemetry.*",  # observation only
+    "hardware.*",  # device, threads, determinism; derived.precision is the critical value
+    "loss.chunk_tokens",  # memory, not math
+    "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
+    "data.workers",  # reader parallelism
+    "data.pin_memory",
+    "data.verify",
+    "derived.world_size",
+    "data_info.path",  # location; the content is identified by its hashes
+    "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
+    "data_info.metric_streams",
+)
+
+
+def is_volatile(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in VOLATILE_KEYS)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_container(raw_cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(raw_cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) -> dict[str, Any]:
+    t = cfg.trainer
+    return {
+        "global_batch_tokens": global_batch_tokens(t, world_size),
+        "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
+        "world_size": world_size,
+    }
+
+
+def training_view(config: dict, derived: dict | None, data_info: dict | None) -> dict[str, Any]:
+    """The flat key -> value map that two attempts of a run are compared on."""
+    view = flatten(config)
+    view.update(flatten({"derived": derived or {}}))
+    if data_info is not None:
+        view.update(flatten({"data_info": json.loads(json.dumps(data_info, default=str))}))
+    return view
+
+
+def _in_effect(view: dict[str, Any]) -> dict[str, Any]:
+    """The view with model.num_kv_heads as the attention kind uses it: mha takes one per query head and
+    mqa one, whatever the key says (two runs that differ only there build the same model)."""
+    kind = view.get("attention.kind")
+    if kind in ("mha", "mqa") and "model.num_kv_heads" in view:
+        return {**view, "model.num_kv_heads": view.get("model.num_heads") if kind == "mha" else 1}
+    return view
+
+
+def critical_hash(view: dict[str, Any]) -> str:
+    """sha256 of the training-critical part of a view: equal hashes, same experiment."""
+    critical = {k: v for k, v in _in_effect(view).items() if not is_volatile(k)}
+    return hashlib.sha256(json.dumps(critical, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class ConfigDiff:
+    critical: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    volatile: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def render(self, which: str = "critical") -> str:
+        items = self.critical if which == "critical" else self.volatile
+        width = max((len(k) for k in items), default=0)
+        lines = []
+        for key, (old, new) in sorted(items.items()):
+            note = _NOTES.get(key, "")
+            lines.append(f"  {key:<{width}}  {_show(old)} -> {_show(new)}{note}")
+        return "\n".join(lines)
+
+    def as_record(self, which: str = "critical") -> dict[str, list[Any]]:
+        items = self.critical if which == "critical" else self.volatile
+        return {k: [old, new] for k, (old, new) in sorted(items.items())}
+
+
+_NOTES = {
+    "derived.global_batch_tokens": "  (micro_batch x seq_len x world size x grad_accum)",
+    "derived.precision": "  (the autocast dtype hardware.precision resolves to on this device)",
+}
+
+
+def _show(value: Any) -> str:
+    return value if value == ABSENT else json.dumps(value, default=str)
+
+
+def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None = None) -> ConfigDiff:
+    """Differences between two views. data_only=True compares only data_info.* keys, False all but them."""
+    diff = ConfigDiff()
+    old, new = _in_effect(old), _in_effect(new)
+    for key in sorted(set(old) | set(new)):
+        if data_only is not None and key.startswith("data_info.") != data_only:
+            continue
+        a, b = old.get(key, ABSENT), new.get(key, ABSENT)
+        if a != b:
+            (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
+    return diff

@@ -1,0 +1,109 @@
+"""One training job around a Trainer: from the composed config to a finished, failed or preempted run.
+
+    config -> device, model spec, ranks -> the launch decision (reads only) -> pre-flight checks
+           -> data (its identity checked against the run's) -> the launch's writes, status "running", logs
+           -> Trainer + the loop (trmoe.train.loop) -> status "finished" | "preempted" | "failed"
+
+Nothing is written before every check has passed: a bad config, a run directory that must not be
+overwritten or continued, or data that differs from the checkpoint's raise UserError with the directory
+untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.data.pipeline import build_data
+from trmoe.train import distributed, env, launch, preflight, records, signals, status
+from trmoe.train.checkpoint import CheckpointStore
+from trmoe.train.controls import check_controls
+from trmoe.train.identity import config_container, derived_values, training_view
+from trmoe.train.rundir import RunDir
+from trmoe.train.trainer import Trainer
+
+log = logging.getLogger("trmoe")
+
+Loop = Callable[[Trainer, signals.StopSignals], float]
+
+
+def run(raw_cfg: DictConfig, run_dir: Path, loop: Loop) -> float:
+    """Run one job into run_dir with `loop`; returns the final held-out loss."""
+    early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
+    logging.getLogger().addHandler(early)
+    try:
+        return _job(raw_cfg, RunDir(run_dir), early, loop)
+    finally:
+        logging.getLogger().removeHandler(early)
+
+
+def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) -> float:
+    cfg = to_config(raw_cfg)
+    device = env.select_device(cfg.hardware)
+    amp_dtype = env.autocast_dtype(cfg.hardware, device)
+    spec = model_spec(cfg)
+    dist_env, device = distributed.init(device)  # torchrun / submitit ranks; shut down by the app
+    rank = dist_env.rank
+    store = CheckpointStore.for_run(cfg.checkpoint, run, rank, dist_env.world_size)
+    view = training_view(config_container(raw_cfg), derived_values(cfg, dist_env.world_size, amp_dtype), None)
+    plan = launch.decide(cfg, view, run, store)  # reads only
+    preflight.check(plan, cfg)
+    if plan.mode == "complete":
+        log.info(
+            "%s is complete at step %d (trainer.steps=%d): nothing to do",
+            run.path,
+            plan.start_step,
+            cfg.trainer.steps,
+        )
+        recorded = status.read_status(run.path)
+        said = recorded.get("status") if isinstance(recorded, dict) else None
+        if rank == 0 and said in (None, status.RUNNING):
+            # killed after its final checkpoint, before it could say so (a failure it recorded stays: a guard
+            # that stopped the last step also saved it)
+            status.write_status(run.path, status.FINISHED, final_eval_loss=plan.final_eval_loss)
+        return plan.final_eval_loss
+    check_controls(cfg, device)  # loss backend and compile backend: before anything is written
+    data = build_data(cfg, spec.vocab_size, device=device)
+    try:
+        plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
+    except BaseException:
+        data.close()
+        raise
+
+    # From here on the config and inputs are valid: write the run's records (rank 0; every rank has read
+    # the run directory before it changes).
+    distributed.barrier()
+    if rank == 0:
+        plan.prepare(store)
+        records.write_hydra_files(run.path, raw_cfg)
+        status.write_status(run.path, status.RUNNING)
+        log_handler = records.attach_log_file(run.log, early)
+    distributed.barrier()  # (prepare may replace logs/: the other ranks open their files after it)
+    if rank != 0:
+        log_handler = distributed.attach_rank_log(run.path, rank, early)
+    trainer = None
+    try:
+        with signals.StopSignals() as stop:
+            trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec)
+            final = loop(trainer, stop)
+        if rank == 0:
+            status.write_status(run.path, status.FINISHED, final_eval_loss=final)
+        return final
+    except signals.Preempted as e:  # a requested stop, checkpoint saved: the rerun resumes
+        if rank == 0:
+            status.write_status(run.path, signals.PREEMPTED, step=e.step, error=str(e))
+        raise
+    except BaseException as e:  # the run dir says why it stopped (a sweep report lists it as failed)
+        if rank == 0:
+            status.write_status(run.path, status.FAILED, error=status.error_line(e))
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+        data.close()
+        logging.getLogger().removeHandler(log_handler)
+        log_handler.close()

@@ -1,0 +1,94 @@
+"""The run directory's file layout: every name in one place (the trainer, the launch decision, the report).
+
+    <run dir>/
+      .hydra/                 config.yaml, hydra.yaml, overrides.yaml (written by trmoe, after validation)
+      run_config.json         what the run is: config, model, data, attempts (records.write_run_config)
+      status.json             running | finished | failed | preempted, with the error line (status.py)
+      train.log               rank 0's log; logs/rank_<r>.log for the ranks > 0 of a distributed run
+      metrics.csv             one row per logged step (records.MetricsWriter); metrics.csv.orig after a
+                              column migration on resume
+      telemetry.csv           per-layer expert telemetry (telemetry.moe=true)
+      checkpoints/            step_XXXXXXXX/ and `latest` (checkpoint.CheckpointStore)
+
+This module only names paths; it imports nothing of trmoe's, so any tool may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_CONFIG = "run_config.json"
+STATUS = "status.json"
+LOG = "train.log"
+METRICS = "metrics.csv"
+TELEMETRY = "telemetry.csv"
+CHECKPOINTS = "checkpoints"
+HYDRA = ".hydra"
+RANK_LOGS = "logs"
+
+RUN_FILES = (RUN_CONFIG, METRICS)  # a directory holding either holds a run
+STEP_CSVS = (TELEMETRY,)  # per-step records besides metrics.csv, trimmed like it on resume
+MARKERS = (RUN_CONFIG, STATUS)  # what the report looks for to find the runs of a sweep
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory (nothing is created here)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def run_config(self) -> Path:
+        return self.path / RUN_CONFIG
+
+    @property
+    def status(self) -> Path:
+        return self.path / STATUS
+
+    @property
+    def log(self) -> Path:
+        return self.path / LOG
+
+    def rank_log(self, rank: int) -> Path:
+        return self.path / RANK_LOGS / f"rank_{rank}.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def metrics_backup(self) -> Path:
+        return self.path / (METRICS + ".orig")
+
+    @property
+    def telemetry(self) -> Path:
+        return self.path / TELEMETRY
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def hydra(self) -> Path:
+        return self.path / HYDRA
+
+    def step_csvs(self) -> list[Path]:
+        """metrics.csv and the other per-step CSVs that exist: what a resume continues."""
+        return [p for p in (self.metrics, *(self.path / n for n in STEP_CSVS)) if p.exists()]
+
+    def held(self) -> list[str]:
+        """The run records this directory holds (without checkpoints/): non-empty means it holds a run."""
+        return [name for name in RUN_FILES if (self.path / name).exists()]
+
+    def removable(self) -> tuple[list[Path], list[Path]]:
+        """(files, directories) that make up a run: what run.overwrite=true removes."""
+        files = [self.path / n for n in (*RUN_FILES, *STEP_CSVS, LOG, STATUS)] + [self.metrics_backup]
+        return files, [self.checkpoints, self.hydra, self.path / RANK_LOGS]

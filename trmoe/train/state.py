@@ -1,0 +1,85 @@
+"""The Trainer's small stateful components without a module of their own: the random generators and the
+run's progress (step, training time, last held-out loss). Each has `state_dict`/`load_state_dict`, like the
+model, the optimizer, the data, the guard, the metrics window and the telemetry."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trmoe.train.env import mps_available
+
+log = logging.getLogger("trmoe")
+
+
+class RNG:
+    """Every generator a step could draw from: Python, numpy, torch CPU, each CUDA device, and MPS."""
+
+    def state_dict(self) -> dict[str, Any]:
+        cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else []
+        )
+        return {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": cuda,
+            "mps": torch.mps.get_rng_state() if mps_available() else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state.get("mps") is not None and mps_available():
+            torch.mps.set_rng_state(state["mps"])
+        if state["cuda"] and torch.cuda.is_available():
+            if len(state["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(state["cuda"])
+            else:
+                log.warning(
+                    "checkpoint holds RNG states of %d CUDA devices, this process sees %d: CUDA RNG not "
+                    "restored",
+                    len(state["cuda"]),
+                    torch.cuda.device_count(),
+                )
+
+
+@dataclass
+class TrainState:
+    """Where the run is: the last optimizer step taken, the training seconds so far (evaluation excluded)
+    and the last held-out loss. Tokens and samples follow from the step and the global batch."""
+
+    tokens_per_step: int
+    samples_per_step: int
+    step: int = 0
+    train_time: float = 0.0
+    eval_loss: float = math.nan
+
+    @property
+    def tokens(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "next_sample": self.step * self.samples_per_step,  # the global sample the next step starts at
+            "train_time": self.train_time,
+            "eval_loss": self.eval_loss,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.train_time, self.eval_loss = (
+            int(state["step"]),
+            state["train_time"],
+            state["eval_loss"],
+        )
