@@ -22,6 +22,10 @@ class AttentionKind(str, Enum):
     mha = "mha"  # multi-head: one key/value head per query head
     mqa = "mqa"  # multi-query: a single key/value head
 
+    def kv_heads(self, num_heads: int, num_kv_heads: int) -> int:
+        """Key/value heads actually used: gqa takes model.num_kv_heads, mha one per query head, mqa one."""
+        return {"mha": num_heads, "mqa": 1}.get(self.value, num_kv_heads)
+
 
 class RoutingStrategy(str, Enum):
     modulo_cyclic = "modulo_cyclic"

@@ -44,13 +44,8 @@ def _finite(node: object, prefix: str) -> None:
 
 
 def kv_heads(cfg: Config) -> int:
-    """Key/value heads actually used: gqa takes model.num_kv_heads, mha one per query head, mqa one."""
-    kind = cfg.attention.kind
-    if kind == AttentionKind.mha:
-        return cfg.model.num_heads
-    if kind == AttentionKind.mqa:
-        return 1
-    return cfg.model.num_kv_heads
+    """Key/value heads actually used (AttentionKind.kv_heads)."""
+    return cfg.attention.kind.kv_heads(cfg.model.num_heads, cfg.model.num_kv_heads)
 
 
 def validate(cfg: Config) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from trmoe.report.compare import Arm, Pair
 from trmoe.report.runs import Run
 from trmoe.report.summary import throughput_rows
+from trmoe.train.rundir import RunDir
 
 
 def available() -> bool:
@@ -139,7 +140,7 @@ def _share_columns(columns: list[str]) -> list[str]:
 def telemetry_shares(run: Run) -> tuple[list[int], list[str], list[list[float]]] | None:
     """Per-layer expert shares of the last logged step of telemetry.csv, if the run wrote one with a
     `layer` column and per-expert share columns (`..share..<e>`)."""
-    path = run.path / "telemetry.csv"
+    path = RunDir(run.path).telemetry
     if not path.is_file():
         return None
     with open(path, newline="") as f:

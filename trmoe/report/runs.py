@@ -18,10 +18,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trmoe.train.rundir import MARKERS as RUN_MARKERS
+from trmoe.train.rundir import RUN_CONFIG as RECORD_FILE
+from trmoe.train.rundir import RunDir
 from trmoe.train.status import FINISHED, RUNNING, STATUS_FILE, read_status
 
-RUN_MARKERS = ("run_config.json", "status.json")
-RECORD_FILE = "run_config.json"
 # Keys of run_config.json that hold an object (or null); anything else there is an unreadable part of it.
 RECORD_OBJECTS = tuple("config model_spec params git backend data controls param_match derived".split())
 SEED_KEY = "trainer.seed"
@@ -241,14 +242,15 @@ def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
     notes: list[str] = []
     record = _read_record(path, notes)
     status_record = _read_status(path, notes)
-    overrides = _load_yaml(path / ".hydra" / "overrides.yaml")
+    files = RunDir(path)
+    overrides = _load_yaml(files.hydra / "overrides.yaml")
     if not isinstance(overrides, list):
         overrides = status_record.get("overrides")
         overrides = overrides if isinstance(overrides, list) else []
-    hydra = _obj(_obj(_load_yaml(path / ".hydra" / "hydra.yaml")).get("hydra"))
+    hydra = _obj(_obj(_load_yaml(files.hydra / "hydra.yaml")).get("hydra"))
     choices = {k: v for k, v in _obj(_obj(hydra.get("runtime")).get("choices")).items() if v is not None}
     control = _obj(_obj(hydra.get("callbacks")).get("report")).get("control")
-    columns, rows = _read_metrics(path / "metrics.csv", notes)
+    columns, rows = _read_metrics(files.metrics, notes)
 
     sweep_dir = find_sweep_dir(path)
     if sweep_dir is None:

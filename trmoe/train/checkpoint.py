@@ -19,6 +19,10 @@ reported and the previous complete one is used instead (`newest_good`).
 Distributed (world size > 1, or checkpoint.format=dcp): every rank calls `save` and `load`; model and
 optimizer go through torch.distributed.checkpoint (each rank writes its own part), each rank writes its own
 rank_XXXXX.pt, and rank 0 alone writes meta.json, renames, updates `latest` and prunes.
+
+Over 400 lines on purpose: the durability contract above (write, verify, load, prune, the cadence) is one
+mechanism whose steps depend on each other's invariants; split, its crash-safety could no longer be read in
+one place.
 """
 
 from __future__ import annotations

@@ -176,6 +176,6 @@ def quiet_console() -> None:
 
 def no_sync(model: torch.nn.Module, sync: bool):
     """DDP: skip the gradient all-reduce on all but the last micro-batch of an accumulated step."""
-    if not sync and hasattr(model, "no_sync"):
+    if not sync:
         return model.no_sync()
     return contextlib.nullcontext()

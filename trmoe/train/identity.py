@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trmoe.config.schema import Config
+from trmoe.config.schema import AttentionKind, Config
 from trmoe.data.pipeline import global_batch_tokens
 
 ABSENT = "<absent>"
@@ -99,7 +99,8 @@ def _in_effect(view: dict[str, Any]) -> dict[str, Any]:
     mqa one, whatever the key says (two runs that differ only there build the same model)."""
     kind = view.get("attention.kind")
     if kind in ("mha", "mqa") and "model.num_kv_heads" in view:
-        return {**view, "model.num_kv_heads": view.get("model.num_heads") if kind == "mha" else 1}
+        used = AttentionKind(kind).kv_heads(view.get("model.num_heads"), view["model.num_kv_heads"])
+        return {**view, "model.num_kv_heads": used}
     return view
 
 

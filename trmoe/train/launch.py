@@ -82,7 +82,7 @@ class Launch:
             self.forced.update(diff.as_record())
         if self.checkpoint is not None:
             cursor = load_local_state(self.checkpoint, rank).get("data")
-            if cursor is not None and hasattr(data, "load_state_dict"):
+            if cursor is not None:
                 if diff.critical:
                     log.warning("data differs from the checkpoint's (forced): its data cursor is not loaded")
                 else:

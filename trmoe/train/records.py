@@ -2,7 +2,8 @@
 
 Nothing is written before the config is valid; files are written whole (temporary name, then rename).
 An existing run's records are never overwritten: a resume continues metrics.csv from its checkpoint's step
-(`continue_metrics`), and trmoe.train.resume decides, before any write, what a launch may do.
+(`continue_metrics`), and trmoe.train.launch decides, before any write, what a launch may do. The file
+names are trmoe.train.rundir's.
 """
 
 from __future__ import annotations

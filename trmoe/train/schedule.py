@@ -26,10 +26,9 @@ from trmoe.config.schema import Config, DecayShape, LRSchedule, OptimizerConfig,
 from trmoe.errors import UserError
 
 
-def horizon(cfg: Config) -> int:
+def horizon(o: OptimizerConfig, total_steps: int) -> int:
     """The schedule horizon: optimizer.decay_steps, or trainer.steps when it is not set."""
-    o = cfg.optimizer
-    return o.decay_steps if o.decay_steps is not None else cfg.trainer.steps
+    return o.decay_steps if o.decay_steps is not None else total_steps
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -90,7 +89,7 @@ def lr_curve(cfg: Config) -> LRCurve:
 
 
 def lr_curve_of(o: OptimizerConfig, total_steps: int) -> LRCurve:
-    h = o.decay_steps if o.decay_steps is not None else total_steps
+    h = horizon(o, total_steps)
     warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.05 * h))
     decay_start = h - round(o.wsd_decay_fraction * h)
     return LRCurve(
@@ -106,7 +105,7 @@ def lr_curve_of(o: OptimizerConfig, total_steps: int) -> LRCurve:
 def _ramp(cfg: Config, start: float, final: float | None, fraction: float, shape: RampShape) -> Ramp | None:
     if final is None:
         return None
-    steps = round(fraction * horizon(cfg))
+    steps = round(fraction * horizon(cfg.optimizer, cfg.trainer.steps))
     return Ramp(start=float(start), final=float(final), steps=steps, shape=shape.value)
 
 
@@ -167,15 +166,6 @@ def check_extension(done: Schedules, new: Schedules, steps_done: int) -> None:
                     f"(the run already did {steps_done} steps); keep the schedule of the steps done, e.g. "
                     f"optimizer.decay_steps={done.lr.horizon} optimizer.warmup_steps={done.lr.warmup}"
                 )
-
-
-def warmup_steps(total_steps: int, cfg: OptimizerConfig) -> int:
-    return lr_curve_of(cfg, total_steps).warmup
-
-
-def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
-    """The LR multiplier at `step` (kept for callers that have only the optimizer config)."""
-    return lr_curve_of(cfg, total_steps)(step)
 
 
 def apply_lr(optimizer, multiplier: float) -> None:

@@ -265,7 +265,7 @@ class TelemetryWriter:
     def __init__(self, path: Path, num_experts: int):
         self.path = path
         self.columns = telemetry_columns(num_experts)
-        # a resumed run continues its file (trmoe.train.resume trimmed it to the checkpoint's step)
+        # a resumed run continues its file (trmoe.train.launch trimmed it to the checkpoint's step)
         append = path.is_file() and _first_line(path) == ",".join(self.columns)
         self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.writer(self._file)

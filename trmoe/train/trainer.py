@@ -25,13 +25,12 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from trmoe.config.match import solve_match
 from trmoe.config.schema import Config, Progress, SpikePolicy
 from trmoe.data.pipeline import DataPipeline, global_batch_samples, global_batch_tokens, micro_batch_samples
 from trmoe.errors import RunFailed
-from trmoe.model.transformer import TRMoETransformer, count_parameters
+from trmoe.model.transformer import TRMoETransformer
 from trmoe.train import env, guards, parallel, records, signals
 from trmoe.train.checkpoint import CheckpointError, CheckpointStore
 from trmoe.train.controls import TrainingControls, is_log_step
@@ -41,6 +40,7 @@ from trmoe.train.launch import Launch
 from trmoe.train.metrics import MetricsWindow, NullMetrics
 from trmoe.train.optim import build_optimizer
 from trmoe.train.progress import ProgressReporter
+from trmoe.train.run_record import announce
 from trmoe.train.rundir import RunDir
 from trmoe.train.state import RNG, TrainState
 
@@ -86,7 +86,7 @@ class Trainer:
         self.rng = RNG()
         self.evaluators: list[Evaluator] = [HeldOutLoss(data, cfg, device, amp_dtype)]
         self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
-        self._log_setup(raw_cfg)
+        announce(self, raw_cfg)  # the opening log lines and run_config.json
         main = dist_env.rank == 0  # ranks > 0 compute the same rows (collectively) but write nothing
         self.metrics = (
             records.MetricsWriter(self.run.metrics, append=launch.mode == "resume", rows=launch.metrics_rows)
@@ -362,67 +362,6 @@ class Trainer:
         self.progress.close()
         self.metrics.close()
         self.controls.close()
-
-    # ------------------------------------------------------------------------------------------ records
-
-    def _log_setup(self, raw_cfg: DictConfig) -> None:
-        """The run's opening log lines and run_config.json (rank 0)."""
-        cfg, t, spec, launch, world = self.cfg, self.t, self.model.spec, self.launch, self.dist.world_size
-        params = count_parameters(self.model)
-        tokens_per_step = self.state.tokens_per_step
-        log.info("run directory: %s", self.run.path)
-        if world > 1:
-            log.info("%d ranks (%s), strategy %s", world, self.dist.source, self.strategy)
-        if launch.mode != "fresh":
-            source = launch.checkpoint.path if launch.checkpoint else "no checkpoint"
-            log.info("=== %s from step %d (%s) ===", launch.mode, launch.start_step, source)
-        log.info(
-            "model %s: %s parameters (%s active per token, %s embedding), %d layers, attention %s %d/%d, "
-            "FFN shared %d + routed %d x %d (top-%d, %s)",
-            cfg.model.name,
-            f"{params.total:,}",
-            f"{params.active:,}",
-            f"{params.embedding:,}",
-            spec.num_layers,
-            cfg.attention.kind.value,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.shared_width,
-            spec.num_experts,
-            spec.expert_width,
-            spec.top_k,
-            spec.strategy,
-        )
-        total = f"{tokens_per_step * t.steps:,}"
-        log.info("tokens per step %s, steps %d, total %s tokens", f"{tokens_per_step:,}", t.steps, total)
-        match = solve_match(cfg)
-        if match is not None:
-            log.info("parameter match: %s", match.describe())
-        if self.dist.rank != 0:
-            return
-        git, backend = env.git_commit(), env.backend_metadata(self.device, self.amp_dtype)
-        records.write_run_config(
-            self.run.path,
-            {
-                "run_name": self.run.name,
-                "run_dir": str(self.run.path.resolve()),
-                "config": OmegaConf.to_container(raw_cfg, resolve=True),
-                "model_spec": spec.to_dict(),
-                "params": params.to_dict(),
-                "git": git,
-                "world_size": world,
-                "strategy": self.strategy,  # none | ddp | fsdp (hardware.strategy resolved)
-                "backend": backend,
-                "tokens_per_step": tokens_per_step,
-                "total_tokens": tokens_per_step * t.steps,
-                "data": self.data.info,
-                "metrics_columns": list(records.METRIC_COLUMNS),
-                "controls": self.controls.record(self.optimizer),  # loss backend, groups, schedules, compile
-                "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
-                # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
-                **launch.record(git, backend),
-            },
-        )
 
 
 def _gate_means(model: TRMoETransformer) -> tuple[float | None, float | None]:

@@ -1,0 +1,54 @@
+"""The shape of trmoe/train/ (docs/architecture.md): the run-lifecycle modules do not import the training
+internals, the loop reads in one screen, and a long module says why at its top."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[1] / "trmoe" / "train"
+
+# What decides and records a run (and the report that reads it) ...
+RUN_LIFECYCLE = (
+    "trmoe.train.rundir",
+    "trmoe.train.identity",
+    "trmoe.train.launch",
+    "trmoe.train.checkpoint",
+    "trmoe.train.records",
+    "trmoe.train.status",
+    "trmoe.report.runs",
+)
+# ... and what trains it.
+TRAINING_INTERNALS = (
+    "trmoe.train.controls",
+    "trmoe.train.optim",
+    "trmoe.train.schedule",
+    "trmoe.train.trainer",
+    "trmoe.train.loss",
+    "trmoe.model.transformer",
+)
+
+
+def test_run_lifecycle_modules_do_not_import_training_internals():
+    """Imported alone, in a fresh interpreter: none of them pulls in a training internal."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {RUN_LIFECYCLE!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(sorted(m for m in {TRAINING_INTERNALS!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_loop_reads_in_one_screen():
+    assert len((TRAIN / "loop.py").read_text().splitlines()) <= 60
+
+
+def test_a_long_train_module_says_why_at_its_top():
+    for path in sorted(TRAIN.glob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            assert "Over 400 lines on purpose" in (ast.get_docstring(ast.parse(text)) or ""), path.name
