@@ -25,8 +25,8 @@ from conftest import compose_config, run_cli
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.train.checkpoint import CheckpointStore, load_checkpoint, read_pointer
-from trmoe.train.loop import train
 from trmoe.train.identity import compare, critical_hash, is_volatile, training_view
+from trmoe.train.loop import train
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 BASE = [
