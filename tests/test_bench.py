@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 
 from trmoe.bench import dispatch, ffn, step
 from trmoe.bench.common import LayerBench, layer_args

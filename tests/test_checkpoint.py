@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_config, spawn_ranks
+from helpers import compose_config, spawn_ranks
 
 from trmoe.train import distributed
 from trmoe.train.checkpoint import (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CONF_DIR, FAST_CPU, compose_config, run_cli
+from helpers import CONF_DIR, FAST_CPU, compose_config, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 

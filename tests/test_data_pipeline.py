@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 from test_shards import edit_index, make_shard, synthetic_tokens
 
 from trmoe.config.resolve import to_config

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONF_DIR, compose_config, run_cli
+from helpers import CONF_DIR, compose_config, run_cli
 from hydra import compose, initialize_config_module
 
 from trmoe.config.match import solve_match

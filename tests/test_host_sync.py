@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from trmoe.train.loop import train
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_config
+from helpers import compose_config
 
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import LossBackend, LossConfig

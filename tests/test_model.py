@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import RoutedExperts, TRMoEFFN, route_weights, swiglu

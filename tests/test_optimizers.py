@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_config, spawn_ranks
+from helpers import compose_config, spawn_ranks
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.transformer import TRMoETransformer

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from trmoe.config.resolve import model_spec, to_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config, run_cli
+from helpers import FAST_CPU, compose_config, run_cli
 
 # Two steps of a tiny model on random tokens: a real run directory in well under a second.
 TINY = [*FAST_CPU, "trainer.steps=2", "trainer.micro_batch=2", "trainer.eval_every=0", "trainer.log_every=1"]

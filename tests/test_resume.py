@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.train.checkpoint import CheckpointStore, load_checkpoint, read_pointer

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config
+from helpers import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import DiversityTarget

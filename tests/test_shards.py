@@ -244,7 +244,7 @@ def test_the_previous_runners_shards_are_read_and_train(tmp_path):
     """A dataset of the runner trmoe replaces (train/ and eval/, format complexity-token-shard-v1) trains
     as it is: no re-tokenization, its split kept. Its tokenizer hash (over a tokenizer directory) is not
     the rank-file hash trmoe checks, so it is kept in the fingerprint's source, not compared."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from trmoe.train.loop import train
 

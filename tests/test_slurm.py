@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN, finish, metrics_rows, wait_until
+from helpers import TINY_RUN, finish, metrics_rows, wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

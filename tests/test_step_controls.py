@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config, watch_training
+from helpers import FAST_CPU, compose_config, watch_training
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trmoe.config.resolve import model_spec, to_config

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN, finish, metrics_rows, wait_until
+from helpers import TINY_RUN, finish, metrics_rows, wait_until
 
 from trmoe.train import distributed
 from trmoe.train.checkpoint import load_checkpoint

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import FAST_CPU, compose_config, watch_training
+from helpers import FAST_CPU, compose_config, watch_training
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Progress

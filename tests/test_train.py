@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 
 from trmoe.train.checkpoint import load_checkpoint
 from trmoe.train.loop import train

@@ -1,0 +1,155 @@
+"""Helpers the tests share (import them: `from helpers import ...`); the fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
+
+import trmoe.config.schema  # noqa: F401  (registers the schemas)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """Real Hydra composition of the packaged config tree, as the app does it."""
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        return compose("config", overrides=list(overrides))
+
+
+# In-process train() runs of a few milliseconds a step: 256 ids, 16-token windows, one thread.
+FAST_CPU = [
+    "trainer.seq_len=16",
+    "trainer.eval_batches=1",
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.progress=log",
+    "data=random",
+    "model.vocab_size=256",
+]
+
+
+# A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.
+TINY_RUN = [
+    "data=random",
+    "model.vocab_size=512",
+    "trainer.micro_batch=2",
+    "trainer.seq_len=32",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=2",
+    "trainer.eval_batches=1",
+    "run.progress=log",
+    "trainer.log_every=10",
+]
+
+
+def run_cli(
+    args: list[str], cwd: Path, timeout: int = 600, module: str = "trmoe.train"
+) -> subprocess.CompletedProcess:
+    """`python -m <module> ...` (the train app by default) in a fresh process, from `cwd`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The output of a launched sweep, which must have succeeded."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def wait_until(
+    condition: Callable[[], bool], what: str, proc: subprocess.Popen, seconds: float = 120
+) -> None:
+    """Poll `condition` while `proc` runs; fail (with its output) if it ends or time runs out first."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.communicate()[0] if proc.poll() is not None else ""
+            pytest.fail(f"{what}: never happened\n{out[-3000:]}")
+        time.sleep(0.02)
+
+
+def spawn_ranks(worker: Callable, args: tuple, nprocs: int = 2, timeout_s: float = 240.0) -> None:
+    """torch.multiprocessing.spawn with a deadline: a hung collective fails the test (and kills its ranks)
+    instead of hanging the whole suite."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2.0):
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                proc.kill()
+            pytest.fail(f"{worker.__name__}: {nprocs} ranks did not finish within {timeout_s:.0f} s")
+
+
+def module_hooks(model) -> int:
+    """Forward (pre-)hooks on the model's modules, and global ones."""
+    from torch.nn.modules import module
+
+    on_modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return on_modules + len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
+
+
+def watch_training(monkeypatch) -> list[dict]:
+    """Patches train() to keep, per run: its TrainingControls (`controls`), the hooks on the model at each
+    training forward (`hooks`), the grad-enabled runs of block 0's attention (`attention`: a training
+    forward, or its recomputation in the backward) and the tokens of every grad-enabled shared-expert SwiGLU
+    call (`shared_rows`). Module hooks do not see a recomputation: the functions are wrapped instead."""
+
+    from trmoe.model import moe
+    from trmoe.train import trainer
+    from trmoe.train.controls import TrainingControls
+
+    runs: list[dict] = []
+    real_swiglu = moe.swiglu
+
+    def swiglu(x, w_in, w_out):
+        if runs and torch.is_grad_enabled() and any(w_in is w for w in runs[-1]["shared_w_in"]):
+            runs[-1]["shared_rows"].append(x.shape[0])
+        return real_swiglu(x, w_in, w_out)
+
+    class Watched(TrainingControls):
+        def __init__(self, cfg, model, device):
+            super().__init__(cfg, model, device)
+            run = {"controls": self, "hooks": [], "attention": 0, "shared_rows": []}
+            run["shared_w_in"] = [b.ffn.shared.w_in for b in model.blocks if b.ffn.shared is not None]
+            runs.append(run)
+            attention = model.blocks[0].attn.forward
+
+            def counted(*args, **kwargs):
+                run["attention"] += torch.is_grad_enabled()
+                return attention(*args, **kwargs)
+
+            model.blocks[0].attn.forward = counted
+
+        def forward(self, inputs):
+            runs[-1]["hooks"].append(module_hooks(self.model))
+            return super().forward(inputs)
+
+    monkeypatch.setattr(moe, "swiglu", swiglu)
+    monkeypatch.setattr(trainer, "TrainingControls", Watched)
+    return runs
