@@ -10,25 +10,21 @@ from __future__ import annotations
 
 from hydra.types import RunMode
 
+from trmoe.config.hydra_adapter import expand_sweep, parse_overrides
 from trmoe.config.resolve import check_group_overrides, compose_error, compose_packaged
 from trmoe.errors import UserError
 
 
 def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
     """(every job's override list in launch order, whether the composed config is a multirun)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
     try:
-        parsed = parser.parse_overrides(list(overrides))
+        parsed = parse_overrides(overrides)
     except Exception as e:  # Hydra's parse errors
         raise UserError(compose_error(e)) from None
     cfg = compose_packaged([o.input_line for o in parsed if not o.is_sweep_override()], hydra_node=True)
     params = cfg.hydra.sweeper.params or {}
     lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
-    jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
-    return [list(job) for job in jobs], cfg.hydra.mode == RunMode.MULTIRUN
+    return expand_sweep(parse_overrides(lines)), cfg.hydra.mode == RunMode.MULTIRUN
 
 
 def check_jobs_compose(jobs: list[list[str]]) -> None:

@@ -110,13 +110,12 @@ def _precheck(argv: list[str]) -> None:
     one-line errors (Hydra prints its usage block); a group given more than one option; and every job of a
     sweep, which must compose (Hydra writes multirun.yaml first, the jobs' configs one by one later). A
     single run's composition errors come before any write."""
-    from hydra._internal.utils import get_args_parser
-
     from trmoe.cli import Parser
+    from trmoe.config.hydra_adapter import args_parser
     from trmoe.config.resolve import check_group_overrides
     from trmoe.config.sweep import check_jobs_compose, sweep_jobs
 
-    args = Parser(prog="python -m trmoe.train", parents=[get_args_parser()], add_help=False).parse_args(argv)
+    args = Parser(prog="python -m trmoe.train", parents=[args_parser()], add_help=False).parse_args(argv)
     if args.config_dir or args.config_path or args.config_name or args.shell_completion:
         return  # another config tree than the packaged one: Hydra composes it (and reports its errors)
     check_group_overrides(args.overrides)
