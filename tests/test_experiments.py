@@ -15,7 +15,7 @@ import pytest
 from helpers import CONF_DIR, compose_config, run_cli
 from hydra import compose, initialize_config_module
 
-from trmoe.config.match import solve_match
+from trmoe.config.param_match import solve_match
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import UserError
 from trmoe.model.transformer import parameter_counts

@@ -50,7 +50,7 @@ def _ffn_text(spec) -> str:
 
 
 def solve_arm(overrides: list[str]) -> dict:
-    from trmoe.config.match import solve_match
+    from trmoe.config.param_match import solve_match
     from trmoe.config.resolve import compose_packaged, model_spec, to_config
     from trmoe.model.transformer import parameter_counts
 

@@ -10,7 +10,7 @@ from importlib.resources import files
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from trmoe.config.match import apply_match, ignore_solved_width
+from trmoe.config.param_match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
 from trmoe.config.validate import kv_heads, validate
 from trmoe.errors import UserError

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from trmoe.config.match import solve_match
+from trmoe.config.param_match import solve_match
 from trmoe.model.transformer import count_parameters
 from trmoe.train import env, records
 
