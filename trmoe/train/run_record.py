@@ -30,7 +30,7 @@ def announce(trainer: Trainer, raw_cfg: DictConfig) -> None:
     tokens_per_step = trainer.state.tokens_per_step
     log.info("run directory: %s", trainer.run.path)
     if world > 1:
-        log.info("%d ranks (%s), strategy %s", world, trainer.dist.source, trainer.strategy)
+        log.info("%d ranks (%s), strategy %s", world, trainer.dist.source, trainer.parallelism)
     if launch.mode != "fresh":
         source = launch.checkpoint.path if launch.checkpoint else "no checkpoint"
         log.info("=== %s from step %d (%s) ===", launch.mode, launch.start_step, source)
@@ -69,7 +69,7 @@ def announce(trainer: Trainer, raw_cfg: DictConfig) -> None:
             "params": params.to_dict(),
             "git": git,
             "world_size": world,
-            "strategy": trainer.strategy,  # none | ddp | fsdp (hardware.strategy resolved)
+            "strategy": trainer.parallelism,  # none | ddp | fsdp (hardware.strategy resolved)
             "backend": backend,
             "tokens_per_step": tokens_per_step,
             "total_tokens": tokens_per_step * t.steps,

@@ -69,14 +69,14 @@ class Trainer:
         env.configure(cfg.hardware, device)
         env.seed_everything(t.seed)
         self.model = model = TRMoETransformer(spec).to(device)  # same seed on every rank: same weights
-        self.strategy = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
+        self.parallelism = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
         # FSDP shards in place, before the optimizer sees the parameters; the ones it leaves unsharded
         # (scalar gates) have their gradients averaged here
-        self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.strategy == "fsdp" else []
+        self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
         self.controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates
         self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
         # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
-        self.ddp = parallel.wrap_ddp(model, device) if self.strategy == "ddp" else None
+        self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
         self.controls.set_train_module(self.ddp if self.ddp is not None else model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         world = dist_env.world_size
