@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from helpers import compose_config
+from helpers import RESUME_SMALL, compose_config, train_in_process
 
 
 @pytest.fixture
@@ -19,3 +21,20 @@ def one_thread():
 @pytest.fixture
 def compose_cfg():
     return compose_config
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """A test that trains in-process with hardware.threads=1 leaves the torch thread count as it found it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> Path:
+    """A finished 4-step run (RESUME_BASE + RESUME_SMALL) with checkpoints at 2 and 4; tests copy it or
+    launch against it, never change it."""
+    run_dir = tmp_path_factory.mktemp("small") / "r"
+    train_in_process(run_dir, *RESUME_SMALL)
+    return run_dir

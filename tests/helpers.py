@@ -153,3 +153,88 @@ def watch_training(monkeypatch) -> list[dict]:
     monkeypatch.setattr(moe, "swiglu", swiglu)
     monkeypatch.setattr(trainer, "TrainingControls", Watched)
     return runs
+
+
+# ------------------------------------------------------------------ the resume tests' run (test_resume*.py)
+
+RESUME_BASE = [
+    "data=random",
+    "model.vocab_size=512",
+    "trainer.micro_batch=4",
+    "trainer.seq_len=64",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=3",
+    "trainer.eval_batches=2",
+    "hardware=cpu",
+    "hardware.threads=1",  # the same thread count in every process: CPU results are then bit-identical
+    "run.progress=log",
+    "run.name=r",
+    "trainer.steps=20",
+    "trainer.log_every=3",  # rows at 1, 3, 5, 6, 9, ...: windows straddle checkpoints (every 4)
+    "trainer.eval_every=5",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=2",
+]
+TIMING_COLUMNS = ("tok_s", "elapsed_s")
+
+RESUME_SMALL = ["trainer.steps=4", "checkpoint.every_steps=2", "trainer.log_every=1", "trainer.eval_every=2"]
+
+
+def train_in_process(run_dir: Path, *overrides: str) -> float:
+    """The real train() of RESUME_BASE + overrides in this process, the torch thread count kept."""
+    import torch
+
+    from trmoe.train.loop import train
+
+    threads = torch.get_num_threads()
+    try:
+        return train(compose_config(*RESUME_BASE, *overrides), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file below `path`: a directory nothing has touched digests the same."""
+    import hashlib
+
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_same_run(run_dir: Path, baseline: Path) -> None:
+    """The same final checkpoint (weights and optimizer state) and metrics.csv but its timing columns."""
+    import torch
+
+    from trmoe.train.checkpoint import load_checkpoint
+
+    a, b = load_checkpoint(run_dir), load_checkpoint(baseline)
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for name, value in state_a[index].items():
+            assert torch.equal(value, state_b[index][name]), (index, name)
+    rows_a, rows_b = metrics_rows(run_dir), metrics_rows(baseline)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for column in ra:
+            if column not in TIMING_COLUMNS:
+                assert ra[column] == rb[column], (ra["step"], column)
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def assert_latest_sane(run_dir: Path) -> None:
+    """`latest` is absent or names a checkpoint that verifies (size and CRC32 of every file)."""
+    from trmoe.train.checkpoint import CheckpointStore, read_pointer
+
+    directory = run_dir / "checkpoints"
+    name = read_pointer(directory)
+    if name is not None:
+        CheckpointStore(directory).verify(directory / name)

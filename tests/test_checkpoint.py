@@ -1,5 +1,5 @@
 """The checkpoint store on its own: layout, pruning, verification, and torch.distributed.checkpoint with two
-real gloo ranks. (The end-to-end guarantees are in tests/test_resume.py.)"""
+real gloo ranks. (The end-to-end guarantees: tests/test_resume.py, test_launch.py and test_guards.py.)"""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
 
 
 def test_existing_run_directory_is_never_overwritten(tmp_path):
-    # (tests/test_resume.py covers resume, restart and run.overwrite in depth)
+    # (tests/test_resume*.py and tests/test_launch.py cover resume, restart and run.overwrite in depth)
     cfg = compose_config(*FAST, "trainer.steps=1")
     train(cfg, tmp_path / "r")
     before = (tmp_path / "r" / "metrics.csv").read_bytes()
