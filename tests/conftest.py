@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,16 @@ def small_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("small") / "r"
     train_in_process(run_dir, *RESUME_SMALL)
     return run_dir
+
+
+def pytest_collection_modifyitems(config, items):
+    """The one slow marker: `@pytest.mark.slow` runs everywhere (CI included; `-m "not slow"` leaves it out
+    locally); `@pytest.mark.slow(opt_in="why")` runs only with TRMOE_SLOW_TESTS=1."""
+    if os.environ.get("TRMOE_SLOW_TESTS"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None and marker.kwargs.get("opt_in"):
+            item.add_marker(
+                pytest.mark.skip(reason=f"{marker.kwargs['opt_in']} (TRMOE_SLOW_TESTS=1 runs it)")
+            )

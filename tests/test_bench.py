@@ -179,7 +179,7 @@ def test_bad_input_on_the_command_line(cli_runs, line):
     _assert_one_line(proc.returncode, out, err, BAD_INPUTS[IDS.index(line)][1], results)
 
 
-@pytest.mark.skipif(not os.environ.get("TRMOE_SLOW_TESTS"), reason="inductor on CPU compiles for ~1.5 min")
+@pytest.mark.slow(opt_in="inductor on CPU compiles for ~1.5 min")
 def test_ffn_compiled_records_its_timings(results):
     ffn.run(LayerBench(tokens=64, reps=1, dtype="bfloat16", compile=True))
     lines = results()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 
 import pytest
 import torch
@@ -222,7 +221,7 @@ def test_compile_agrees_with_eager(tmp_path, monkeypatch):
     assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
 
 
-@pytest.mark.skipif(not os.environ.get("TRMOE_SLOW_TESTS"), reason="inductor on CPU compiles for ~1 min")
+@pytest.mark.slow(opt_in="inductor on CPU compiles for ~1 min")
 def test_compile_with_inductor_agrees_with_eager(tmp_path):
     compile_check(tmp_path, "inductor")
 
