@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from trmoe.data.documents import first_line, open_parquet
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.errors import UserError
 
@@ -77,25 +78,12 @@ class ParquetSource:
     kind = "parquet"
 
     def __init__(self, spec: str, text_field: str):
-        pa, pq = _arrow()
         self.files = resolve_parquet_files(spec)
         self.text_field = text_field
         self.row_groups: list[int] = []
         rows = 0
         for path in self.files:
-            try:
-                meta = pq.ParquetFile(path)
-                schema = meta.schema_arrow
-            except (pa.ArrowException, OSError) as exc:
-                raise UserError(f"parquet file {path}: unreadable ({_first_line(exc)})") from None
-            if text_field not in schema.names:
-                raise UserError(
-                    f"parquet file {path}: no column {text_field!r} (data.text_field); "
-                    f"allowed: {', '.join(schema.names)}"
-                )
-            kind = schema.field(text_field).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-                raise UserError(f"parquet file {path}: column {text_field!r} has type {kind}, not a string")
+            meta = open_parquet(path, text_field, "data.text_field")
             self.row_groups.append(meta.num_row_groups)
             rows += meta.metadata.num_rows
         self.info = {
@@ -127,7 +115,7 @@ class ParquetSource:
                         if column[row]:
                             yield fi, rg, row, column[row]
             except (pa.ArrowException, OSError) as exc:
-                raise UserError(f"parquet file {path}: unreadable ({_first_line(exc)})") from None
+                raise UserError(f"parquet file {path}: unreadable ({first_line(exc)})") from None
 
 
 class HubSource:
@@ -173,7 +161,7 @@ class HubSource:
             )
         except Exception as exc:  # the library raises many kinds; all mean "cannot open it here"
             raise UserError(
-                f"data.hf_dataset={self.name}: cannot open it ({type(exc).__name__}: {_first_line(exc)}); "
+                f"data.hf_dataset={self.name}: cannot open it ({type(exc).__name__}: {first_line(exc)}); "
                 "offline? download the Parquet files and set data.path"
             ) from None
 
@@ -193,13 +181,8 @@ class HubSource:
             raise
         except Exception as exc:
             raise UserError(
-                f"data.hf_dataset={self.name}: streaming failed ({type(exc).__name__}: {_first_line(exc)})"
+                f"data.hf_dataset={self.name}: streaming failed ({type(exc).__name__}: {first_line(exc)})"
             ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _chunks(docs: Iterator[Doc]) -> Iterator[list[Doc]]:

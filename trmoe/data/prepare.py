@@ -29,6 +29,7 @@ import numpy as np
 
 from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
+from trmoe.data.documents import first_line, open_parquet
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
@@ -166,37 +167,17 @@ def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
                 yield text, offset
 
 
-def _parquet_file(path: Path, text_field: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        handle = pq.ParquetFile(path)
-        schema = handle.schema_arrow
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"parquet file {path}: unreadable ({str(exc).strip().splitlines()[0]})") from None
-    if text_field not in schema.names:
-        raise UserError(
-            f"parquet file {path}: no column {text_field!r} (--text-field); "
-            f"allowed: {', '.join(schema.names)}"
-        )
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-        raise UserError(f"parquet file {path}: column {text_field!r} has type {kind}, not a string")
-    return handle
-
-
 def parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     import pyarrow as pa
 
-    handle = _parquet_file(path, text_field)
+    handle = open_parquet(path, text_field, "--text-field")
     size = path.stat().st_size
     groups = handle.num_row_groups
     for rg in range(groups):
         try:
             column = handle.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
         except (pa.ArrowException, OSError) as exc:
-            raise UserError(f"parquet file {path}: unreadable ({str(exc).strip().splitlines()[0]})") from None
+            raise UserError(f"parquet file {path}: unreadable ({first_line(exc)})") from None
         done = size * (rg + 1) // groups
         for text in column:
             if text:
@@ -325,7 +306,7 @@ def prepare(
     root, files = discover_inputs(input_spec)
     for path in files:  # fail on unreadable Parquet before writing anything
         if path.suffix == ".parquet":
-            _parquet_file(path, text_field)
+            open_parquet(path, text_field, "--text-field")
     out = Path(out).expanduser().resolve()
     _check_out(out)
     existing = [out / p / INDEX_NAME for p in PARTITIONS if (out / p / INDEX_NAME).exists()]
