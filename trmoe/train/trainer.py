@@ -3,7 +3,8 @@
 Components (attributes, each owning its state):
 
     model, optimizer          saved by the CheckpointStore (model_optim.pt, or DCP files per rank)
-    controls                  schedules, loss backend, penalty, telemetry (TrainingControls)
+    controls                  schedules, loss backend, penalty, compile (TrainingControls)
+    telemetry                 expert telemetry and its open window (MoETelemetry; None when off)
     data                      the data pipeline and its cursor
     guard                     non-finite / spike guard (StepGuard)
     window                    the metrics window behind the next metrics.csv row (MetricsWindow)
@@ -74,6 +75,7 @@ class Trainer:
         # (scalar gates) have their gradients averaged here
         self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
         self.controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates
+        self.telemetry = self.controls.telemetry  # expert telemetry (telemetry.moe; None when off)
         self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
         # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
         self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
@@ -109,7 +111,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint besides model and optimizer (collective: the window's and the
         telemetry's totals are sums over ranks)."""
-        telemetry = self.controls.telemetry
+        telemetry = self.telemetry
         return {
             "version": STATE_VERSION,
             **self.state.state_dict(),
@@ -130,7 +132,7 @@ class Trainer:
             self.data.load_state_dict(state["data"])
         self.window.load_state_dict(state)
         self.guard.load_state_dict(state["guard"])
-        telemetry = self.controls.telemetry
+        telemetry = self.telemetry
         if telemetry is not None and state.get("telemetry") is not None:  # on then and now: its open window
             telemetry.load_state_dict(state["telemetry"], self.dist.rank)
         self.rng.load_state_dict(state["rng"])  # last: nothing after it may draw
