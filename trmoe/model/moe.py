@@ -324,7 +324,7 @@ class TRMoEFFN(nn.Module):
     """The FFN of one layer, built from the model spec (see the module docstring for its formula). With
     routing.strategy=learned a linear router replaces the route table and p:
 
-        P = softmax(x W_r^T)  (fp32),   r_k = the K largest of P,   w_k = P_{r_k} / sum_j P_{r_j}
+        P = softmax(x W_r^T)  (at least fp32),   r_k = the K largest of P,   w_k = P_{r_k} / sum_j P_{r_j}
 
     and each forward leaves its two router loss terms (see `router_losses`) for the objective."""
 
@@ -368,7 +368,8 @@ class TRMoEFFN(nn.Module):
 
         over this micro-batch (the reference's Switch/GShard form; a uniform router gives aux = 1)."""
         experts, top_k = self.router.shape[0], self.routed.top_k
-        logits = (x @ self.router.t().to(x.dtype)).float()
+        logits = x @ self.router.t().to(x.dtype)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 autocast)
         probs = logits.softmax(dim=-1)  # [N, E]
         top_p, top_e = probs.topk(top_k, dim=-1)
         weights = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(1e-9)
