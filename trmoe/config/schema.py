@@ -187,12 +187,8 @@ class RoutingConfig:
     primary_weight_ramp_shape: RampShape = RampShape.cosine  # p schedule: linear | cosine ramp
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
-    frequencies: str | None = (
-        None  # frequency_balanced_secondary: token_counts.npy (or its directory); None = data.path's
-    )
-    aux_weight: float = (
-        0.01  # learned only: weight of the load-balancing loss E * sum_e f_e * P_e (mean over layers)
-    )
+    frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
+    aux_weight: float = 0.01  # learned only: weight of the load-balancing loss (layer mean); 0 = off
     z_weight: float = 0.0  # learned only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
 
 
