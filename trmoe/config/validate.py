@@ -21,13 +21,13 @@ from trmoe.config.schema import (
     SpikePolicy,
     check_run_name,
 )
+from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.errors import UserError
 from trmoe.model.routing import (
     MAX_EXPERTS,
     MAX_HASH_COUNT,
     MAX_TUPLES,
     REGISTRY,
-    TOKEN_COUNTS_NAME,
     tuple_count,
 )
 

@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trmoe.data.shards import TOKEN_COUNTS_NAME
+
 __all__ = [
     "ALL_STRATEGIES",
     "REGISTRY",
@@ -499,9 +501,6 @@ def build_route_table(
     table = entry.build(TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies))
     dtype = np.uint8 if experts <= 256 else np.int16
     return torch.from_numpy(np.ascontiguousarray(table.astype(dtype)))
-
-
-TOKEN_COUNTS_NAME = "token_counts.npy"  # trmoe.data.prepare writes it next to the shards
 
 
 def load_token_counts(path: str) -> np.ndarray:
