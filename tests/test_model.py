@@ -278,6 +278,30 @@ def test_init_statistics_and_tied_head():
     assert model.head_weight is model.embed.weight
 
 
+def test_legacy_kaiming_init_draws_the_routed_gate_and_up_as_the_old_runner():
+    """model.init=legacy_kaiming (the fact sheet's 3.1): routed gate and up U(-b, b) with b = 1/sqrt(I_e)
+    (Panel A's I_e = 192: b 0.07217, std 0.04167); everything else as the default init, the routed down
+    N(0, 0.02/sqrt(2L)) included."""
+    overrides = ["model=100m", "model.vocab_size=512", "model.gates=false", "model.routed_width=768"]
+    spec = model_spec(to_config(compose_config(*overrides, "model.init=legacy_kaiming")))
+    assert spec.init == "legacy_kaiming" and spec.expert_width == 192
+    torch.manual_seed(0)
+    model = TRMoETransformer(spec)
+    w_in = model.blocks[3].ffn.routed.w_in.detach()
+    bound = 1 / math.sqrt(192)
+    assert bound == pytest.approx(0.07217, abs=1e-5)
+    assert float(w_in.abs().max()) <= bound and float(w_in.abs().max()) > 0.999 * bound
+    for half in w_in.chunk(2, dim=2):  # gate and up, each expert
+        for expert in half:
+            assert expert.std().item() == pytest.approx(0.04167, rel=0.02)
+    residual = 0.02 / math.sqrt(2 * spec.num_layers)
+    assert model.blocks[3].ffn.routed.w_out.std().item() == pytest.approx(residual, rel=0.03)
+    assert model.blocks[3].ffn.shared.w_in.std().item() == pytest.approx(0.02, rel=0.03)
+    torch.manual_seed(0)
+    default = TRMoETransformer(model_spec(to_config(compose_config(*overrides))))
+    assert default.blocks[3].ffn.routed.w_in.std().item() == pytest.approx(0.02, rel=0.03)
+
+
 def test_route_tables_are_persistent_buffers_and_causality_holds():
     spec = model_spec(to_config(compose_config("model.vocab_size=300", "routing=multi_hash")))
     model = TRMoETransformer(spec)
