@@ -25,7 +25,7 @@ PILOT_TARGET = 99_487_680
 PILOT = ["model=100m", "model.gates=false", f"model.match_params={PILOT_TARGET}"]
 DENSE = ["model.num_experts=1", "routing.top_k=1", "model.routed_width=0"]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-# Small enough that the 9-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
+# Small enough that the 11-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
 TINY_RUN = [
     "trainer.steps=2",
     "trainer.micro_batch=2",
