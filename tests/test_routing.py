@@ -518,3 +518,12 @@ def test_frequency_strategy_needs_its_table():
     assert mass.max() - mass.min() <= freq.max()
     with pytest.raises(ValueError, match="learned router"):
         build_route_table("learned", 100, 4, 2, 0)
+
+
+def test_docs_tabulate_the_registry():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "routing.md").read_text()
+    assert routing.strategy_table() in doc, "docs/routing.md's strategy table differs from strategy_table()"
+    for name in REGISTRY:
+        assert f"`{name}`" in doc

@@ -19,6 +19,9 @@ device: no host sync), in one of two ways, fixed per layer by its route table:
   - by expert otherwise: the (token, route) pairs are sorted by expert, K x N rows; the route weight and
     gate x scale multiply the narrow [rows, W] activation, and one index_add sums each token's K rows.
 Either way the routed rows are summed straight into the shared expert's output.
+
+routing.strategy=learned (the control): r_k and w_k come from a learned linear router instead of the table
+and p (TRMoEFFN._route); its rows go by expert.
 """
 
 from __future__ import annotations

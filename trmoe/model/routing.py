@@ -32,6 +32,14 @@ Strategies:
   the routes are the K experts of largest score, in descending order, ties to the lower expert id.
   Balance is statistical only.
 
+The old runner's constructions, each split into its draws and a pure construction from them (so the tests
+can feed the runner's torch draws and compare with its tables): ``random_shared`` (one draw shared by every
+layer, labels per layer), ``balanced_hash_all_tuples`` (all E!/(E-K)! ordered tuples dealt over a random
+order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (a modulo primary and
+secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
+router is in trmoe/model/moe.py). ``REGISTRY`` is the one list of strategies: the config schema, its
+validation and docs/routing.md read it.
+
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
 slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
 ``modulo_cyclic`` and ``balanced_hash`` are within ``1 +- 1e-4`` (exact up to one token);
@@ -465,6 +473,19 @@ STRATEGIES: tuple[str, ...] = tuple(
     n for n, s in REGISTRY.items() if not s.learned and not s.needs_frequencies
 )
 MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
+
+
+def strategy_table() -> str:
+    """The registry as the markdown table docs/routing.md holds (a test keeps the two equal)."""
+    rows = [
+        "| `routing.strategy` | balance of token ids per expert and slot | from layer to layer | ordered pairs at "
+        "E = 4, K = 2 | K = 2 rows of K = 4 | the old runner's name |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in REGISTRY.items():
+        nested = "n/a" if s.learned else ("yes" if s.nested_k else "no")
+        rows.append(f"| `{name}` | {s.balance} | {s.layers} | {s.tuples} | {nested} | {s.origin} |")
+    return "\n".join(rows) + "\n"
 
 
 def build_route_table(
