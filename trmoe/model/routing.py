@@ -478,8 +478,8 @@ MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
 def strategy_table() -> str:
     """The registry as the markdown table docs/routing.md holds (a test keeps the two equal)."""
     rows = [
-        "| `routing.strategy` | balance of token ids per expert and slot | from layer to layer | ordered pairs at "
-        "E = 4, K = 2 | K = 2 rows of K = 4 | the old runner's name |",
+        "| `routing.strategy` | balance of token ids per expert and slot | from layer to layer "
+        "| ordered pairs at E = 4, K = 2 | K = 2 rows of K = 4 | the old runner's name |",
         "|---|---|---|---|---|---|",
     ]
     for name, s in REGISTRY.items():
