@@ -240,7 +240,8 @@ def frequencies_path(cfg: Config) -> Path | None:
     token_counts.npy (data=tokens); None when neither names one."""
     r, d = cfg.routing, cfg.data
     if r.frequencies:
-        return Path(r.frequencies).expanduser().absolute()
+        path = Path(r.frequencies).expanduser().absolute()
+        return path / TOKEN_COUNTS_NAME if path.is_dir() else path
     if d.source == DataSource.tokens and d.path:
         base = Path(d.path).expanduser().absolute()
         return (base if base.is_dir() else base.parent) / TOKEN_COUNTS_NAME
