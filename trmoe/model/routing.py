@@ -600,6 +600,11 @@ def groups_by_tuple(
     strategy: str, vocab_size: int, num_experts: int, top_k: int, seed: int, hash_count: int
 ) -> bool:
     """`tuple_grouping` of layer 0's table is not None (the planner's question; every layer of the
-    built-in strategies has the same number of tuples at a realistic vocabulary)."""
+    built-in strategies has the same number of tuples at a realistic vocabulary). A learned router groups
+    by expert; so does the frequency-balanced secondary, whose greedy pass uses more tuples than experts
+    (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
+    entry = REGISTRY[getattr(strategy, "value", strategy)]
+    if entry.learned or entry.needs_frequencies:
+        return False
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None
