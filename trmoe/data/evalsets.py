@@ -1,8 +1,8 @@
 """The fixed evaluation streams and the byte counts that turn a loss into bits per byte.
 
-Four figures, kept apart (docs/data.md): `train_loss` on the training batches of the logging window; `eval_train_loss` on a fixed
-stream of the training split (repeatable, not held out); `eval_loss` on fixed held-out batches; `eval_bpb`
-= the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes of the text those tokens encode,
+Four figures, kept apart (docs/data.md): `train_loss` on the training batches of the logging window;
+`eval_train_loss` on a fixed stream of the training split (repeatable, not held out); `eval_loss` on fixed
+held-out batches; `eval_bpb` = the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes of the text those tokens encode,
 which compares across tokenizers.
 """
 
