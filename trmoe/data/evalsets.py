@@ -2,8 +2,8 @@
 
 Four figures, kept apart (docs/data.md): `train_loss` on the training batches of the logging window;
 `eval_train_loss` on a fixed stream of the training split (repeatable, not held out); `eval_loss` on fixed
-held-out batches; `eval_bpb` = the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes of the text those tokens encode,
-which compares across tokenizers.
+held-out batches; `eval_bpb` = the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes
+of the text those tokens encode, which compares across tokenizers.
 """
 
 from __future__ import annotations
