@@ -81,6 +81,26 @@ def test_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
+def test_activation_checkpointing_keeps_the_router_losses_and_their_gradients():
+    """trainer.activation_checkpointing recomputes each block in the backward: the loss terms, taken from
+    the first forward, still reach the router (the same gradients as without recomputation)."""
+    spec = model_spec(to_config(compose_config("model=tiny", "model.vocab_size=300", "routing=learned")))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = TRMoETransformer(spec)
+        model.activation_checkpointing = recompute
+        hidden = model(ids)
+        terms = model.router_losses()
+        assert model.router_losses() is None  # taking them clears them
+        (hidden.square().mean() + 0.5 * terms["aux"] + 0.1 * terms["z"]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert float(grads[0][0].abs().max()) > 0 and float(model.blocks[0].ffn.router.grad.abs().max()) > 0
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_router_parameters_are_counted_total_and_active():
     base = ["model=tiny", "model.vocab_size=512"]
     fixed = parameter_counts(model_spec(to_config(compose_config(*base))))
