@@ -194,7 +194,7 @@ class Trainer:
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = a == len(micro_batches) - 1
             with no_sync(self.ddp, sync=last) if self.ddp is not None else contextlib.nullcontext():
-                objective, sums = self._objective(inputs, targets, step_tokens, last)
+                objective, sums = self._objective(inputs, targets, step_tokens, len(micro_batches), last)
                 objective.backward()
             step_ce += sums.ce.to(sums_dtype)
             step_obj += sums.total.detach().to(sums_dtype)
@@ -217,15 +217,15 @@ class Trainer:
         self.progress.step()
         return verdict
 
-    def _objective(self, inputs, targets, step_tokens: int, last: bool):
+    def _objective(self, inputs, targets, step_tokens: int, micro_batches: int, last: bool):
         """The objective of one micro-batch, and its loss sums. Normalised by the tokens of the whole
         accumulated batch: accumulation equals one larger batch (and every rank has as many tokens, so
-        DDP's gradient mean is the global batch's). Loss terms join here: the penalty once per step, on
-        the last micro-batch."""
+        DDP's gradient mean is the global batch's). Loss terms join here: a learned router's auxiliary
+        losses on every micro-batch, the penalty once per step, on the last one."""
         with env.autocast(self.device, self.amp_dtype):
             hidden = self.controls.forward(inputs)
         sums = self.controls.loss(hidden, targets)
-        objective = sums.total / step_tokens
+        objective = self.controls.with_router_loss(sums.total / step_tokens, micro_batches)
         penalty = self.controls.penalty() if last else None
         return (objective if penalty is None else objective + penalty), sums
 
