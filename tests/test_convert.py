@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.convert import primary_weight

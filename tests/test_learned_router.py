@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu

@@ -263,7 +263,7 @@ def test_token_counts_of_the_training_split_feed_the_frequency_strategy(tmp_path
     held-out documents not); routing=frequency_balanced_secondary finds it through data.path, builds its
     tables from it, and refuses to start without it (one line naming routing.frequencies)."""
     import torch
-    from conftest import compose_config
+    from helpers import compose_config
 
     from trmoe.config.resolve import model_spec, to_config
     from trmoe.model.routing import build_route_table

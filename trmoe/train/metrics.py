@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 
-from trmoe.train import distributed
-from trmoe.train.env import sum_dtype
+from trmoe.train import distributed, env
 
 
 class MetricsWindow:
     def __init__(self, device: torch.device):
-        self.ce = torch.zeros((), dtype=sum_dtype(device), device=device)
-        self.objective = torch.zeros((), dtype=sum_dtype(device), device=device)
+        self.ce = torch.zeros((), dtype=env.sum_dtype(device), device=device)
+        self.objective = torch.zeros((), dtype=env.sum_dtype(device), device=device)
         self.tokens = 0
         self.time = 0.0  # training seconds in the window (tok_s)
 
