@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -263,3 +266,37 @@ def test_an_experiment_file_of_ones_own_composes_on_top_of_trmoes_config(tmp_pat
     assert chosen == ("100m", "mha", "pilot-mha")
     assert job["trainer"]["steps"] == 2000 and job["trainer"]["seed"] == 7  # the command line still applies
     assert not (tmp_path / "runs").exists()
+
+
+def test_help_names_the_app_trmoe_and_offers_no_schema_as_an_option(tmp_path):
+    out = run_cli(["--help"], tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("trmoe is powered by Hydra")
+    groups = out.stdout.split("== Config ==")[0]
+    assert "model: " in groups and "base_" not in groups
+    # Hydra's bash completion of `model=` (what `eval "$(trmoe-train -sc install=bash)"` asks): the profiles
+    completion = subprocess.run(
+        [sys.executable, "-m", "trmoe.train", "-sc", "query=bash"],
+        env={**os.environ, "COMP_LINE": "trmoe-train model="},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert completion.returncode == 0, completion.stderr
+    assert "model=tiny" in completion.stdout and "base_model" not in completion.stdout
+
+
+def test_cfg_hydra_resolves(tmp_path):
+    out = run_cli(["--cfg", "hydra", "--resolve"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "name: trmoe" in out.stdout and "dir: runs/tiny-gqa-modulo_cyclic-" in out.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
+    if shutil.which("srun"):
+        pytest.skip("SLURM is installed on this machine (tests/slurm/setup.sh)")
+    for args in (["-m", "hydra/launcher=submitit_slurm"], ["-m", "hardware=slurm_1node_8gpu"]):
+        out = run_cli([*args, "trainer.steps=1"], tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.count("\n") == 1 and "no SLURM on this machine (srun not found)" in out.stderr
+        assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,6 @@
 """Every option of trmoe, its type, default and meaning — the single source of truth.
 
-Each config group (`conf/<group>/*.yaml`) extends the dataclass registered here as `<group>/base_<group>`,
+Each config group (`conf/<group>/*.yaml`) extends the dataclass registered here as `/base_<group>@_here_`,
 so a key that is not in the schema fails at compose time, naming the key. Cross-field rules live in
 `trmoe.config.validate`.
 """
@@ -351,13 +351,14 @@ def _run_name(name: str | None, *parts: str) -> str:
 
 
 def register() -> None:
-    """Register the schemas so YAML files can extend them (`defaults: [base_<group>]`), and the
+    """Register the schemas so YAML files can extend them (`defaults: [/base_<group>@_here_]`), and the
     `trmoe.run_name` resolver used by hydra.run.dir."""
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=node)
+        # at the top level, not in the group: a schema is no option of its group (`--help`, shell completion)
+        cs.store(name=f"base_{group}", node=node)
 
 
 register()

@@ -14,8 +14,9 @@ from trmoe.config.resolve import check_group_overrides, compose_error, compose_p
 from trmoe.errors import UserError
 
 
-def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
-    """(every job's override list in launch order, whether the composed config is a multirun)."""
+def sweep_jobs(overrides: list[str], cli_multirun: bool = False) -> tuple[list[list[str]], bool]:
+    """(every job's override list in launch order, whether the composed config is a multirun); a multirun
+    (`cli_multirun`: --multirun was given) is refused a launcher this machine cannot run."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -27,8 +28,25 @@ def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
     cfg = compose_packaged([o.input_line for o in parsed if not o.is_sweep_override()], hydra_node=True)
     params = cfg.hydra.sweeper.params or {}
     lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
+    multirun = cfg.hydra.mode == RunMode.MULTIRUN
+    if multirun or cli_multirun:
+        check_launcher(cfg)
     jobs = BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
-    return [list(job) for job in jobs], cfg.hydra.mode == RunMode.MULTIRUN
+    return [list(job) for job in jobs], multirun
+
+
+def check_launcher(cfg) -> None:
+    """The SLURM launcher needs SLURM's commands on this machine (submitit looks for `srun`): without them
+    its sweep would fail after Hydra wrote the sweep directory, with a traceback."""
+    import shutil
+
+    target = str(cfg.hydra.launcher.get("_target_", ""))
+    if "SlurmLauncher" in target and shutil.which("srun") is None:
+        raise UserError(
+            f"config error: hydra.launcher={target.rsplit('.', 1)[-1]} (hydra/launcher=submitit_slurm, or a "
+            "slurm_* hardware preset): no SLURM on this machine (srun not found); allowed here: the basic "
+            "launcher (drop the override) or hydra/launcher=submitit_local"
+        )
 
 
 def check_jobs_compose(jobs: list[list[str]]) -> None:

@@ -6,16 +6,12 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from trmoe.model.flops import flops_terms
+from trmoe.model.flops import datasheet_peak, flops_terms
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
 # cache warm-up), leaving out the rows of evaluation steps.
 THROUGHPUT_WARMUP_STEPS = 10
-
-# Dense bf16 datasheet peaks (FLOP/s per device), used only for bf16/fp16 runs on these GPUs. Elsewhere MFU is
-# n/a unless a peak is given (`--peak-tflops`, e.g. one measured with `python -m trmoe.bench step`).
-DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "MI300X": 1307e12}
 
 
 @dataclass
@@ -73,8 +69,7 @@ def peak_flops(run: Run, override: float | None) -> float | None:
         return None
     if backend.get("autocast_dtype") not in ("bfloat16", "float16"):
         return None  # an fp32 run on a GPU: the bf16 peak would understate its MFU's meaning
-    name = str(backend.get("device_name", ""))
-    return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
+    return datasheet_peak(str(backend.get("device_name", "")), "bf16")
 
 
 def summarize(run: Run, peak_override: float | None = None) -> Summary:

@@ -122,9 +122,10 @@ def _precheck(argv: list[str]) -> None:
     check_group_overrides(args.overrides)
     if args.help or args.hydra_help or args.cfg or args.info or args.run:
         return
-    if not args.multirun and not any(o.startswith("experiment=") for o in args.overrides):
-        return  # only a grid (experiment=...) switches to a sweep by itself
-    jobs, multirun = sweep_jobs(args.overrides)
+    switches = ("experiment=", "hparams_search=")
+    if not args.multirun and not any(o.startswith(switches) for o in args.overrides):
+        return  # only a grid (experiment=...) or a search switches to a sweep by itself
+    jobs, multirun = sweep_jobs(args.overrides, cli_multirun=args.multirun)
     if args.multirun or multirun:
         check_jobs_compose(jobs)
 

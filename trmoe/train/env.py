@@ -116,9 +116,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def source_checkout() -> Path | None:
+    """The git checkout trmoe is imported from, or None: an installed wheel, or a venv that merely lies
+    inside some other repository (the user's), whose commit says nothing about trmoe's code."""
+    import trmoe
+
+    root = Path(trmoe.__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # a checkout's top level (.git is a file in a worktree)
+        return None
+    return root
+
+
 def git_commit() -> dict:
-    """Commit of the trmoe source tree (where it is a git checkout), and whether it had local changes."""
-    root = Path(__file__).resolve().parents[2]
+    """trmoe's version, and the commit and local-changes state of the checkout it is imported from (None
+    for both when it is not imported from a git checkout)."""
+    import trmoe
+
+    root = source_checkout()
 
     def git(*args: str) -> str | None:
         try:
@@ -127,9 +141,9 @@ def git_commit() -> dict:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    commit = None if root is None else git("rev-parse", "HEAD")
     dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": commit, "dirty": dirty}
+    return {"version": trmoe.__version__, "commit": commit, "dirty": dirty}
 
 
 def cpu_name() -> str:
