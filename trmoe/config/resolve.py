@@ -66,6 +66,9 @@ def group_options(path: str) -> list[str]:
     )
 
 
+MULTI_OPTION_GROUPS = ("logger",)  # groups whose options add up (each sets its own key)
+
+
 def check_group_overrides(overrides: list[str]) -> None:
     """A config group takes one option name. Hydra merges a list of them into one config (`model=[tiny,50m]`
     trains a merged model) and refuses any other value (`=5`) with a traceback: a UserError naming the
@@ -82,6 +85,8 @@ def check_group_overrides(overrides: list[str]) -> None:
             raise UserError(
                 f"config error: {override.input_line}: names no key; allowed: <key>=<value>, <group>=<option>"
             )
+        if group in MULTI_OPTION_GROUPS and isinstance(value, list):
+            continue  # several trackers at once: logger=[tensorboard,mlflow]
         options = group_options(group) if "/" not in group else []  # the top-level groups of the tree
         if options:
             raise UserError(

@@ -128,6 +128,60 @@ class SpikePolicy(str, Enum):
     rollback = "rollback"  # reload the last good checkpoint, recompute the steps since, skip the spike batch
 
 
+class WandbMode(str, Enum):
+    offline = "offline"  # written under <run dir>/wandb; `wandb sync <that dir>` uploads it later
+    online = "online"  # streamed to the W&B server (needs an account and network)
+    disabled = "disabled"  # W&B calls do nothing
+
+
+@dataclass
+class CsvLogger:
+    """metrics.csv: always written (the source of truth); `logger=csv` chooses no other tracker."""
+
+
+@dataclass
+class TensorBoardLogger:
+    dir: str = "tensorboard"  # event files, inside the run directory (`tensorboard --logdir runs`)
+
+
+@dataclass
+class MLflowLogger:
+    tracking_uri: str | None = None  # None: a local file store, mlruns/ beside the run directory
+    experiment: str = "trmoe"  # MLflow experiment the run is created in
+
+
+@dataclass
+class WandbLogger:
+    project: str = "trmoe"
+    entity: str | None = None  # W&B team or user; None = the default of the logged-in account
+    group: str | None = None  # W&B run group (e.g. a sweep's name)
+    mode: WandbMode = WandbMode.offline  # offline (default): nothing leaves the machine until `wandb sync`
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment trackers beside metrics.csv (`logger=tensorboard`, `logger=[tensorboard,mlflow]`): each is
+    set when its option is chosen (conf/logger/), None otherwise. Rank 0 only; docs/configuration.md."""
+
+    csv: CsvLogger | None = None
+    tensorboard: TensorBoardLogger | None = None
+    mlflow: MLflowLogger | None = None
+    wandb: WandbLogger | None = None
+
+
+@dataclass
+class DebugConfig:
+    """Debugging aids (conf/debug/: fast, overfit, anomaly, profile)."""
+
+    overfit: bool = False  # train on the first step's batch at every step (the loss must go near zero)
+    anomaly: bool = False  # torch.autograd anomaly detection (names the op of a NaN gradient; slow)
+    profile: bool = False  # torch.profiler trace of a few steps into <run dir>/profile, top ops in the log
+    profile_wait: int = 1  # profiler: steps skipped before its warm-up (after step 1's allocations)
+    profile_warmup: int = 1  # profiler: steps traced but discarded (the profiler's own start-up)
+    profile_active: int = 2  # profiler: steps recorded
+    profile_rows: int = 15  # rows of the top-ops table in train.log
+
+
 @dataclass
 class ModelConfig:
     """Dimensions of the decoder and its TR-MoE FFN. Profiles: conf/model/*.yaml."""
@@ -242,6 +296,7 @@ class HardwareConfig:
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
     reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
+    peak_tflops: float | None = None  # peak TFLOP/s of one device for MFU; None = datasheet (GPU) or measured
 
 
 @dataclass
@@ -322,6 +377,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 GROUPS: dict[str, Any] = {

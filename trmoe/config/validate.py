@@ -64,6 +64,17 @@ def validate(cfg: Config) -> None:
         cfg.hardware,
     )
     _finite(cfg, "")
+    if hw.peak_tflops is not None and hw.peak_tflops <= 0:
+        _fail(
+            "hardware.peak_tflops",
+            hw.peak_tflops,
+            "must be a positive number (TFLOP/s of one device) or null",
+        )
+    dbg = cfg.debug
+    for name in ("profile_wait", "profile_warmup"):
+        if getattr(dbg, name) < 0:
+            _fail(f"debug.{name}", getattr(dbg, name), "must be 0 or more steps")
+    _positive(dbg, "debug", "profile_active", "profile_rows")
 
     _positive(m, "model", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
     _positive(m, "model", "num_experts", "vocab_pad_multiple")

@@ -14,6 +14,7 @@ from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
 from trmoe.report.runs import Run, common_root, load_runs
+from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
@@ -39,6 +40,7 @@ class Report:
     plots: list[Path] = field(default_factory=list)
     plots_note: str = ""
     markdown: str = ""
+    study: Study | None = None  # an Optuna search: its jobs are ranked as trials, not compared as arms
 
 
 def _count(n: int, noun: str) -> str:
@@ -81,16 +83,47 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _study_lines(rep: Report) -> list[str]:
+    """The trials of an Optuna search, best first, its searched keys as columns."""
+    study = rep.study
+    finals = {name: s.final_eval for name, s in rep.summaries.items()}
+    header = ["rank", "trial", "status", "final eval", *[f"`{k}`" for k in study.params]]
+    header += ["best eval", "train loss", "tok/s"]
+    rows = []
+    for rank, run in enumerate(study.ranked(rep.runs, finals), 1):
+        s = rep.summaries[run.name]
+        rows.append(
+            [str(rank), run.name, _status_cell(run), _num(s.final_eval)]
+            + [run.value_of(k) for k in study.params]
+            + [_num(s.best_eval), _num(s.train_loss)]
+            + ["n/a" if s.median_tok_s is None else f"{s.median_tok_s:,.0f}"]
+        )
+    return ["## Trials", "", *_table(header, rows)]
+
+
 def render_markdown(rep: Report, title: str) -> str:
     runs, arms = rep.runs, rep.arms
     finished = sum(r.status == "finished" for r in runs)
     keys = swept_keys(runs)
+    if rep.study is not None:
+        best = rep.study.ranked(runs, {n: s.final_eval for n, s in rep.summaries.items()})[0]
+        summary = (
+            f"{_count(len(runs), 'trial')} ({finished} finished) of the Optuna study `{rep.study.name}` "
+            f"({rep.study.direction} the final held-out loss); searched: "
+            + ", ".join(f"`{k}`" for k in rep.study.params)
+            + f". Best: trial `{best.name}`, final eval {_num(rep.summaries[best.name].final_eval)}."
+        )
+    else:
+        summary = (
+            f"{_count(len(runs), 'run')} ({finished} finished) in {_count(len(arms), 'arm')}; swept keys: "
+            + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
+            + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; "
+            f"{rep.control_note}."
+        )
     lines = [
         f"# Report: {title}",
         "",
-        f"{_count(len(runs), 'run')} ({finished} finished) in {_count(len(arms), 'arm')}; swept keys: "
-        + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
-        + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; {rep.control_note}.",
+        summary,
         f"Written by `python -m trmoe.report` on {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         "## Warnings",
@@ -103,6 +136,8 @@ def render_markdown(rep: Report, title: str) -> str:
             "None: beyond the swept keys, the runs match on every item of the comparability checklist below."
         )
     estimated = any(s.bpb_estimated for s in rep.summaries.values())
+    if rep.study is not None:
+        lines += ["", *_study_lines(rep)]
     lines += ["", "## Runs", ""]
     bpb = "eval bpb" + (" *" if estimated else "")
     header = ["run", "arm", "seed", "status", "params", "active", "matched width", "tokens", "final eval"]
@@ -144,7 +179,9 @@ def render_markdown(rep: Report, title: str) -> str:
         )
 
     lines += ["", "## Paired comparison with the control", ""]
-    if rep.control is None:
+    if rep.study is not None:
+        lines.append("An Optuna search: its trials are ranked above, not paired with a control.")
+    elif rep.control is None:
         lines.append(f"No control arm: {rep.control_note}.")
     elif not rep.pairs:
         lines.append("Only one arm: nothing to compare.")
@@ -314,11 +351,15 @@ def build_report(
             f"report: --control {control}: matches no arm; allowed: an arm ({listed}), the name of one of "
             'its runs, or its swept overrides ("key=value ...")'
         )
+    study = load_study(list(dict.fromkeys(r.sweep.path for r in runs)))
+    if study is not None:  # trials are ranked, not compared with a control
+        control_arm, control_note = None, "an Optuna search"
     pairs = paired(arms, control_arm, summaries) if control_arm is not None else []
     warnings, checklist = check(runs, arms, summaries)
-    if spec and control_arm is None:
+    if spec and control_arm is None and study is None:
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
+    rep.study = study
 
     try:
         folder.mkdir(parents=True, exist_ok=True)

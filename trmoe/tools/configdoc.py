@@ -32,6 +32,25 @@ SECTIONS = [
     ("telemetry", schema.TelemetryConfig, "Expert telemetry (see docs/training.md; top level)."),
     ("checkpoint", schema.CheckpointConfig, "Checkpoint cadence and retention (see docs/reliability.md)."),
     ("guard", schema.GuardConfig, "Fault guards: non-finite steps, loss spikes (see docs/reliability.md)."),
+    (
+        "logger",
+        None,
+        "Experiment trackers beside metrics.csv (always written): `logger=tensorboard`, several at once with "
+        "`logger=[tensorboard,mlflow]`. Each logs metrics.csv's scalars, the resolved config as "
+        "hyper-parameters and the run's identity; rank 0 only; a resumed run continues the same tracker run. "
+        "The trackers need the `trackers` extra (`pip install 'trmoe[trackers]'`).",
+    ),
+    ("logger.tensorboard", schema.TensorBoardLogger, "`logger=tensorboard`: TensorBoard event files."),
+    ("logger.mlflow", schema.MLflowLogger, "`logger=mlflow`: MLflow (a local file store by default)."),
+    ("logger.wandb", schema.WandbLogger, "`logger=wandb`: Weights & Biases (offline by default)."),
+    ("debug", schema.DebugConfig, "Debugging aids; the presets also set trainer keys (conf/debug/*.yaml)."),
+    (
+        "hparams_search",
+        None,
+        "Optuna hyper-parameter searches (hydra-optuna-sweeper, the `search` extra): each preset sets "
+        "Hydra's sweeper, its study and the searched keys (conf/hparams_search/*.yaml); every trial is a "
+        "training job whose returned value (the final held-out loss) Optuna minimises.",
+    ),
 ]
 
 
@@ -82,6 +101,9 @@ def render() -> str:
         "",
     ]
     for name, cls, title in SECTIONS:
+        if cls is None:  # a group of options without keys of its own
+            out += [f"## `{name}`", "", title, "", _options(name).rstrip("\n"), ""]
+            continue
         hints = typing.get_type_hints(cls)
         comments = _field_comments(cls)
         out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.match import solve_match
 from trmoe.config.resolve import model_spec, to_config
-from trmoe.config.schema import Config, Progress, SpikePolicy
+from trmoe.config.schema import Config, LoggerConfig, Progress, SpikePolicy
 from trmoe.data.pipeline import (
     Batch,
     build_data,
@@ -22,12 +22,14 @@ from trmoe.data.pipeline import (
     micro_batch_samples,
 )
 from trmoe.errors import RunFailed, UserError
+from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import distributed, env, guards, parallel, records, resume, signals, status
+from trmoe.train import distributed, env, guards, meters, parallel, records, resume, signals, status, trackers
 from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir
 from trmoe.train.controls import TrainingControls, check_controls, is_log_step
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
+from trmoe.train.profiling import StepProfiler
 from trmoe.train.progress import ProgressReporter
 
 log = logging.getLogger("trmoe")
@@ -74,6 +76,18 @@ def _eval_figures(model: TRMoETransformer, data, cfg: Config, device, amp_dtype)
         "eval_loss": eval_loss,
         "eval_ppl": _ppl(eval_loss),
         "eval_bpb": data.bpb(eval_loss),
+    }
+
+
+def _run_identity(run_dir: Path, plan, raw_cfg: DictConfig, data_info: dict) -> dict:
+    """What names this run in a tracker: its name and directory, trmoe's version, the config hash."""
+    import trmoe
+
+    return {
+        "run_name": run_dir.name,
+        "run_dir": str(run_dir.resolve()),
+        "trmoe_version": trmoe.__version__,
+        "config_hash": plan.identity(raw_cfg, data_info)["config_hash"],
     }
 
 
@@ -130,6 +144,7 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
             status.write_status(run_dir, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
+    trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
     data = build_data(cfg, spec.vocab_size, device=device)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
@@ -270,6 +285,23 @@ def _train(
     progress = cleanup.enter_context(
         ProgressReporter(cfg.run.progress if rank == 0 else Progress.log, t.steps, start_step=plan.start_step)
     )
+    tracked = cleanup.enter_context(
+        trackers.Trackers(
+            cfg.logger if rank == 0 else LoggerConfig(),
+            run_dir,
+            identity=_run_identity(run_dir, plan, raw_cfg, data.info),
+            config=OmegaConf.to_container(raw_cfg, resolve=True),
+            resume_step=plan.start_step if plan.mode == "resume" else None,
+        )
+    )
+    efficiency = meters.EfficiencyMeter(
+        device,
+        flops_per_token(spec, params, t.seq_len),
+        *meters.peak_flops(device, amp_dtype, cfg.hardware.peak_tflops),
+    )
+    profiler = cleanup.enter_context(StepProfiler(cfg.debug, run_dir, device))
+    if cfg.debug.anomaly:
+        cleanup.enter_context(torch.autograd.set_detect_anomaly(True))
     params_list = [p for p in model.parameters() if p.requires_grad]
 
     # Running sums between log rows stay on the device: no host sync except at log steps.
@@ -372,7 +404,9 @@ def _train(
     else:
         figures = _eval_figures(model, data, cfg, device, amp_dtype)
         eval_loss = figures["eval_loss"]
-        metrics.write({"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0})
+        first_row = {"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0}
+        metrics.write(first_row)
+        tracked.log(first_row)
         log.info("step 0 | eval %.4f | eval_train %.4f", eval_loss, figures["eval_train_loss"])
         if cfg.guard.spike_policy == SpikePolicy.rollback:
             save(0)  # something to roll back to before the first periodic checkpoint
@@ -386,7 +420,10 @@ def _train(
         controls.begin_step(step, optimizer)  # LR, p, gates, lambda: pure functions of the step
         micro_batches = [
             data.train.batch(first, count)
-            for first, count in micro_batch_samples(step, rank, world_size, t.micro_batch, t.grad_accum)
+            # debug.overfit: the first step's batch at every step
+            for first, count in micro_batch_samples(
+                1 if cfg.debug.overfit else step, rank, world_size, t.micro_batch, t.grad_accum
+            )
         ]
         step_tokens = sum(int(y.numel()) for _, y in micro_batches)
         step_ce = torch.zeros((), dtype=sums_dtype, device=device)
@@ -429,6 +466,7 @@ def _train(
             )
         optimizer.zero_grad(set_to_none=True)
         progress.step()
+        profiler.step()
 
         is_last = step == t.steps
         do_eval = is_last or (t.eval_every > 0 and step % t.eval_every == 0)
@@ -453,10 +491,12 @@ def _train(
             }
             row["shared_gate"], row["routed_gate"] = _gate_means(model)
             row.update(controls.log_columns(step))  # per-group LRs, p, lambda, telemetry
+            row.update(efficiency.columns(row["tok_s"] / world_size))  # MFU, peak memory
             if do_eval:
                 row.update(_eval_figures(model, data, cfg, device, amp_dtype))
                 eval_loss = row["eval_loss"]
             metrics.write(row)
+            tracked.log(row)
             progress.report(row, t.steps, eta_s=(t.steps - step) * train_time / step)
             window.reset()
             step_start = time.perf_counter()  # evaluation and logging are not training time

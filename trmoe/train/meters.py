@@ -20,10 +20,10 @@ from trmoe.model.flops import datasheet_peak
 
 log = logging.getLogger("trmoe")
 
-PROBE_N = 1024  # the probe's GEMM size: big enough to run near the peak a real GEMM reaches, fast (< 0.2 s)
+PROBE_N = 512  # the probe GEMM: big enough to run near the peak of a real GEMM on CPU, ~10 ms a repeat
 
 
-def probe_peak_flops(device: torch.device, dtype: torch.dtype, n: int = PROBE_N, reps: int = 5) -> float:
+def probe_peak_flops(device: torch.device, dtype: torch.dtype, n: int = PROBE_N, reps: int = 3) -> float:
     """Measured FLOP/s of an n^3 GEMM on `device` in `dtype` (median of `reps`, after one warm-up)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     times = []
@@ -42,13 +42,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_flops(device: torch.device, device_name: str, amp_dtype: torch.dtype | None, override_tflops):
+def peak_flops(
+    device: torch.device, amp_dtype: torch.dtype | None, override_tflops: float | None
+) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
     if override_tflops is not None:
         return override_tflops * 1e12, "hardware.peak_tflops"
     precision = "fp32" if amp_dtype is None else "bf16"
     if device.type == "cuda":
-        peak = datasheet_peak(device_name, precision)
+        peak = datasheet_peak(torch.cuda.get_device_name(device), precision)
         if peak is not None:
             return peak, f"datasheet {precision}"
     dtype = torch.float32 if amp_dtype is None else amp_dtype

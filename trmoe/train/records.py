@@ -40,6 +40,8 @@ METRIC_COLUMNS = (
     "grad_norm",  # global gradient norm before clipping
     "tok_s",  # training tokens per second over the logging window, evaluation time excluded
     "elapsed_s",
+    "mfu",  # model FLOPs utilisation of one device over the window (trmoe.train.meters: its peak, FLOPs)
+    "peak_mem_gib",  # peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU
     "shared_gate",
     "routed_gate",
     "expert_imbalance",  # telemetry.moe: max share / mean share of route slots, mean over layers

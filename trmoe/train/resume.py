@@ -75,6 +75,9 @@ VOLATILE_KEYS = (
     "checkpoint.*",
     "guard.*",
     "telemetry.*",  # observation only
+    "logger.*",  # experiment trackers: observation only
+    "debug.anomaly",  # checks, not math
+    "debug.profile*",
     "hardware.*",  # device, threads, determinism; derived.precision is the critical value
     "loss.chunk_tokens",  # memory, not math
     "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
@@ -417,7 +420,14 @@ class Plan:
 
 
 # What bit-exact continuation depends on besides the config (docs/reliability.md, determinism).
-_ENVIRONMENT = ("git.commit", "git.dirty", "backend.torch", "backend.threads", "backend.device_name")
+_ENVIRONMENT = (
+    "git.version",
+    "git.commit",
+    "git.dirty",
+    "backend.torch",
+    "backend.threads",
+    "backend.device_name",
+)
 
 
 def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) -> None:

@@ -1,0 +1,152 @@
+"""The `logger` group: TensorBoard and MLflow get the rows of metrics.csv, read back with each library's own
+reader, across a kill (SIGKILL from outside the code, tests/resume_driver.py) and the resume that follows:
+one tracker run, the same values, no step twice. W&B offline: its run directory and id (what can be checked
+without the service)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_RUN, compose_config, run_cli
+
+from trmoe.config.resolve import to_config
+from trmoe.errors import UserError
+from trmoe.train import trackers
+
+DRIVER = Path(__file__).with_name("resume_driver.py")
+RUN = [
+    *TINY_RUN,
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.name=r",
+    "trainer.steps=8",
+    "trainer.log_every=1",
+    "trainer.eval_every=4",
+    "checkpoint.every_steps=4",
+]
+
+
+def _drive(fault: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(DRIVER), fault, *RUN, *overrides],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _csv_series(run_dir: Path) -> dict[str, dict[int, float]]:
+    """metrics.csv as {column: {step: value}} over its finite values."""
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps)), steps
+    series: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, text in row.items():
+            if key != "step" and math.isfinite(float(text)):
+                series.setdefault(key, {})[int(row["step"])] = float(text)
+    return series
+
+
+def _tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path):
+    killed = _drive("step:6:after", tmp_path, "logger=[tensorboard,mlflow]")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _drive("none", tmp_path, "logger=[tensorboard,mlflow]")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "r"
+    assert "resumed at step 4" in (run_dir / "train.log").read_text()
+    expected = _csv_series(run_dir)
+    assert sorted(expected["train_loss"]) == list(range(1, 9))
+    assert set(expected) >= {"train_loss", "eval_loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib"}
+
+    # TensorBoard: the killed attempt's steps 5 and 6 are purged by the reader; one value per step
+    tb = _tensorboard_series(run_dir / "tensorboard")
+    assert set(tb) == set(expected)
+    for tag, points in tb.items():
+        steps = [s for s, _ in points]
+        assert steps == sorted(expected[tag]), (tag, steps)
+        for step, value in points:
+            assert value == pytest.approx(expected[tag][step], rel=1e-6, abs=1e-12), (tag, step)
+
+    # MLflow's file store beside the run directory: one run (the same id after the resume), its history
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as trmoe sets it for its default store
+    client = MlflowClient(tracking_uri=(tmp_path / "runs" / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("trmoe")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_id == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert run.info.run_name == "r" and run.info.status == "FINISHED"
+    assert run.data.params["optimizer.lr"] == "0.003" and run.data.params["model.name"] == "tiny"
+    assert run.data.tags["trmoe.run_dir"] == str(run_dir.resolve())
+    for key, values in expected.items():
+        history = client.get_metric_history(run.info.run_id, key)
+        steps = [m.step for m in history]
+        assert steps == sorted(values), (key, steps)  # no step twice
+        # steps 5, 6 as the killed attempt logged them: a CPU resume recomputes them bit for bit
+        timing = key in ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
+        for m in history:
+            if not timing or m.step not in (5, 6):
+                assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g
+
+
+def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
+    """W&B offline writes <run dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (a protobuf record log that
+    `wandb sync` uploads); offline there is no API to read the history back, so this checks the run's id
+    across attempts and that its record file holds the logged values."""
+    pytest.importorskip("wandb")
+    env_overrides = ["logger=wandb", "logger.wandb.project=trmoe-test"]
+    killed = _drive("step:6:after", tmp_path, *env_overrides)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _drive("none", tmp_path, *env_overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "r"
+    state = json.loads((run_dir / "trackers.json").read_text())["wandb"]
+    assert state["last_step"] == 8
+    offline = sorted((run_dir / "wandb").glob(f"offline-run-*-{state['id']}"))
+    assert len(offline) == 2  # one directory per attempt, both the same W&B run id
+    for attempt in offline:
+        assert (attempt / f"run-{state['id']}.wandb").stat().st_size > 0
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name)
+    )
+    cfg = to_config(compose_config("logger=[tensorboard,mlflow]"))
+    with pytest.raises(
+        UserError, match=r"logger=mlflow: the mlflow package is not installed.*trmoe\[trackers\]"
+    ):
+        trackers.check_installed(cfg.logger)
+
+
+def test_logger_options_compose_alone_and_together(tmp_path):
+    assert trackers.chosen(to_config(compose_config()).logger) == []  # csv: metrics.csv only
+    both = to_config(compose_config("logger=[tensorboard,mlflow]")).logger
+    assert trackers.chosen(both) == ["tensorboard", "mlflow"]
+    assert to_config(compose_config("logger=wandb")).logger.wandb.mode.value == "offline"
+    out = run_cli(["logger=nosuch"], tmp_path)
+    assert out.returncode == 2 and "allowed: csv, mlflow, tensorboard, wandb" in out.stderr
