@@ -12,7 +12,8 @@ from conftest import TINY_RUN, run_cli
 SEARCH = [
     "hparams_search=lr_warmup",
     "hydra.sweeper.n_trials=3",
-    *[o for o in TINY_RUN if not o.startswith("optimizer.")],  # set on the command line, a key is not searched
+    # a key set on the command line is not searched
+    *[o for o in TINY_RUN if not o.startswith("optimizer.")],
     "hardware=cpu",
     "hardware.threads=1",
     "trainer.steps=4",

@@ -72,7 +72,9 @@ def test_the_wheel_of_a_clean_checkout_trains_sweeps_reports_and_logs(tmp_path):
     assert list((user / "runs" / "mlruns").glob("*/*/metrics/train_loss"))
 
     search = [o for o in tiny if not o.startswith("optimizer.")]
-    _run([venv / "bin" / "trmoe-train", "hparams_search=lr_warmup", "hydra.sweeper.n_trials=2", *search], user)
+    _run(
+        [venv / "bin" / "trmoe-train", "hparams_search=lr_warmup", "hydra.sweeper.n_trials=2"] + search, user
+    )
     (sweep,) = (user / "multirun").glob("*/*")
     assert "2 trials (2 finished) of the Optuna study" in (sweep / "report.md").read_text()
 
