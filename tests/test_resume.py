@@ -47,7 +47,7 @@ BASE = [
     "checkpoint.every_steps=4",
     "checkpoint.keep_last=2",
 ]
-TIMING_COLUMNS = ("tok_s", "elapsed_s")
+TIMING_COLUMNS = ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")  # measured, not computed
 
 # (fault injected by tests/resume_driver.py, what the rerun must do: "restart" or the checkpoint step)
 KILLS = [
