@@ -152,7 +152,7 @@ class MLflowLogger:
 
 @dataclass
 class WandbLogger:
-    project: str = "trmoe"
+    project: str = "trmoe"  # W&B project the run is logged in
     entity: str | None = None  # W&B team or user; None = the default of the logged-in account
     group: str | None = None  # W&B run group (e.g. a sweep's name)
     mode: WandbMode = WandbMode.offline  # offline (default): nothing leaves the machine until `wandb sync`
