@@ -66,18 +66,26 @@ def _tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path):
-    killed = _drive("step:6:after", tmp_path, "logger=[tensorboard,mlflow]")
+# (the kill, the steps the killed attempt logged that the rerun logs again, what the rerun says)
+KILLS = [
+    ("step:6:after", {5, 6}, "resumed at step 4"),  # after the checkpoint of step 4
+    ("step:3:after", {0, 1, 2, 3}, "=== restart from step 0"),  # before any checkpoint: from the start
+]
+
+
+@pytest.mark.parametrize("fault,relogged,says", KILLS)
+def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path, fault, relogged, says):
+    killed = _drive(fault, tmp_path, "logger=[tensorboard,mlflow]")
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _drive("none", tmp_path, "logger=[tensorboard,mlflow]")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = tmp_path / "runs" / "r"
-    assert "resumed at step 4" in (run_dir / "train.log").read_text()
+    assert says in (run_dir / "train.log").read_text()
     expected = _csv_series(run_dir)
     assert sorted(expected["train_loss"]) == list(range(1, 9))
     assert set(expected) >= {"train_loss", "eval_loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib"}
 
-    # TensorBoard: the killed attempt's steps 5 and 6 are purged by the reader; one value per step
+    # TensorBoard: what the killed attempt logged past the checkpoint is purged by the reader
     tb = _tensorboard_series(run_dir / "tensorboard")
     assert set(tb) == set(expected)
     for tag, points in tb.items():
@@ -103,10 +111,10 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
         history = client.get_metric_history(run.info.run_id, key)
         steps = [m.step for m in history]
         assert steps == sorted(values), (key, steps)  # no step twice
-        # steps 5, 6 as the killed attempt logged them: a CPU resume recomputes them bit for bit
+        # the re-logged steps as the killed attempt logged them: a CPU rerun recomputes them bit for bit
         timing = key in ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
         for m in history:
-            if not timing or m.step not in (5, 6):
+            if not timing or m.step not in relogged:
                 assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g
 
 

@@ -291,7 +291,8 @@ def _train(
             run_dir,
             identity=_run_identity(run_dir, plan, raw_cfg, data.info),
             config=OmegaConf.to_container(raw_cfg, resolve=True),
-            resume_step=plan.start_step if plan.mode == "resume" else None,
+            # a resume continues after its checkpoint; a restart (killed before one) re-logs from step 0
+            resume_step={"resume": plan.start_step, "restart": -1}.get(plan.mode),
         )
     )
     efficiency = meters.EfficiencyMeter(

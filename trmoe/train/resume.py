@@ -337,7 +337,9 @@ class Plan:
         if self.overwrite:
             for name in (*records.RUN_FILES, *STEP_CSVS, "metrics.csv.orig", "train.log", "status.json"):
                 (run_dir / name).unlink(missing_ok=True)
-            for name in ("checkpoints", ".hydra", "logs"):  # logs/: the ranks > 0 of a distributed run
+            (run_dir / "trackers.json").unlink(missing_ok=True)  # the tracker runs of the replaced run
+            # logs/: the ranks > 0 of a distributed run; the trackers' and the profiler's files
+            for name in ("checkpoints", ".hydra", "logs", "tensorboard", "wandb", "profile"):
                 shutil.rmtree(run_dir / name, ignore_errors=True)
             log.warning("run.overwrite=true: replaced the run in %s", run_dir)
         if self.mode == "restart":

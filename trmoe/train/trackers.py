@@ -200,6 +200,8 @@ class Trackers:
         config: dict[str, Any],
         resume_step: int | None,
     ):
+        """`resume_step`: None for a new run; else the step the run continues after (its checkpoint's, or
+        -1 for a run restarted from the beginning), whose tracker runs (trackers.json) go on."""
         self.run_dir = run_dir
         self._trackers: dict[str, Any] = {}
         names = chosen(cfg)
