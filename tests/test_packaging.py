@@ -60,7 +60,9 @@ def test_provenance_names_trmoes_checkout_only(tmp_path, monkeypatch):
 def test_every_tool_has_a_console_script():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     scripts = project["scripts"]
-    tools = {p.parent.name for p in (ROOT / "trmoe").glob("*/__main__.py")} | {"match", "prepare"}
+    tools = {p.parent.name for p in (ROOT / "trmoe").glob("*/__main__.py")} | {"prepare"}
+    # top-level tools: match, convert
+    tools |= {p.stem for p in (ROOT / "trmoe").glob("*.py") if "\ndef main(" in p.read_text()}
     assert {f"trmoe-{tool}" for tool in tools} <= set(scripts), sorted(scripts)
     import importlib
 

@@ -80,5 +80,5 @@ def test_the_wheel_of_a_clean_checkout_trains_sweeps_reports_and_logs(tmp_path):
 
     report = _run([venv / "bin" / "trmoe-report", run_dir, "--no-plots"], user)
     assert "report written to" in report.stdout + report.stderr
-    for tool in ("trmoe-plan", "trmoe-match", "trmoe-bench", "trmoe-prepare"):
+    for tool in ("trmoe-plan", "trmoe-match", "trmoe-bench", "trmoe-prepare", "trmoe-convert"):
         assert "usage:" in _run([venv / "bin" / tool, "--help"], user).stdout
