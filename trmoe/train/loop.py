@@ -66,15 +66,20 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
 
 def _eval_figures(model: TRMoETransformer, data, cfg: Config, device, amp_dtype) -> dict:
     """The evaluation columns of metrics.csv: held-out loss (and ppl, bits per byte) and the loss on a fixed
-    stream of the training split; run_config.json["data"]["metric_streams"] names each stream."""
+    stream of the training split; run_config.json["data"]["metric_streams"] names each stream. A mixture
+    adds each source's held-out loss and bpb (`data.metric_columns`)."""
     eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
     eval_train_loss = evaluate(model, data.eval_train_set, cfg, device, amp_dtype)
-    return {
+    figures = {
         "eval_train_loss": eval_train_loss,
         "eval_loss": eval_loss,
         "eval_ppl": _ppl(eval_loss),
         "eval_bpb": data.bpb(eval_loss),
     }
+    for name, part in data.sources.items():
+        loss = evaluate(model, part.eval_set, cfg, device, amp_dtype)
+        figures[f"eval_loss/{name}"], figures[f"eval_bpb/{name}"] = loss, part.bpb(loss)
+    return figures
 
 
 def checkpoint_store(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1) -> CheckpointStore:
@@ -130,7 +135,7 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
             status.write_status(run_dir, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
-    data = build_data(cfg, spec.vocab_size, device=device)
+    data = build_data(cfg, spec.vocab_size, device=device, world_size=world_size)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
     except BaseException:
@@ -253,7 +258,7 @@ def _train(
                 "tokens_per_step": tokens_per_step,
                 "total_tokens": tokens_per_step * t.steps,
                 "data": data.info,
-                "metrics_columns": list(records.METRIC_COLUMNS),
+                "metrics_columns": [*records.METRIC_COLUMNS, *data.metric_columns],
                 "controls": controls.record(optimizer),  # loss backend, optimizer groups, schedules, compile
                 "param_match": None if match is None else match.to_dict(),  # model.match_params: solved width
                 # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
@@ -262,7 +267,10 @@ def _train(
         )
     if rank == 0:
         metrics = records.MetricsWriter(
-            run_dir / "metrics.csv", append=plan.mode == "resume", rows=plan.metrics_rows
+            run_dir / "metrics.csv",
+            append=plan.mode == "resume",
+            rows=plan.metrics_rows,
+            columns=(*records.METRIC_COLUMNS, *data.metric_columns),
         )
     else:  # ranks > 0 compute the same rows (the reductions are collective) but write nothing
         metrics = distributed.NullMetrics()
