@@ -313,3 +313,16 @@ def test_a_source_of_another_tokenizer_is_refused(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.sources.other: tokenizer 'bytes8' differs" in lines[0], out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_planner_shows_tokens_and_epochs_per_source(corpora):
+    from trmoe.plan.__main__ import render
+    from trmoe.plan.build import make_plan
+
+    plan = make_plan([*mixture(corpora), *RUN, "trainer.micro_batch=8", "trainer.steps=400"])
+    mix = plan["mixture"]
+    assert mix["help"]["samples"] + mix["code"]["samples"] == 400 * 8
+    assert mix["code"]["tokens"] == 640 * SEQ  # 20% of 3,200 samples, exactly
+    assert mix["help"]["epochs"] == pytest.approx(2560 / mix["help"]["windows"])
+    text = render(plan)
+    assert "data mixture" in text and f"{mix['help']['epochs']:.2f} epochs" in text
