@@ -16,6 +16,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from test_resume import DRIVER, assert_same_run
 from trmoe.config.resolve import to_config
 from trmoe.data.mixture import MixtureSchedule, Weights
 from trmoe.data.pipeline import build_data, micro_batch_samples
+from trmoe.errors import UserError
 from trmoe.report.build import build_report
 from trmoe.train.loop import train
 
@@ -217,6 +219,24 @@ def test_kill_9_then_resume_is_bit_exact(corpora, trained, tmp_path, fault, chec
         torch.set_num_threads(threads)
     assert f"resumed at step {checkpoint}" in (run_dir / "train.log").read_text()
     assert_same_run(run_dir, trained)
+
+
+def test_a_weight_change_on_resume_is_refused_unless_forced(corpora, trained, tmp_path):
+    run_dir = tmp_path / "m"
+    shutil.copytree(trained, run_dir)
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    changed = [*mixture(corpora, 0.7, 0.3), *RUN, "trainer.micro_batch=8", "trainer.steps=13"]
+    with pytest.raises(UserError, match=r"data\.sources\.help\.weight +0\.8 -> 0\.7"):
+        train(compose_config(*changed), run_dir)
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written
+    threads = torch.get_num_threads()
+    try:
+        train(compose_config(*changed, "trainer.force_resume=true"), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((run_dir / "run_config.json").read_text())
+    assert record["data"]["weights"] == {"help": 0.7, "code": 0.3}
+    assert record["resumes"][-1]["forced"]["data.sources.help.weight"] == [0.8, 0.7]
 
 
 def test_two_ranks_equal_one_at_the_same_global_batch(corpora, trained, tmp_path):

@@ -123,7 +123,6 @@ class MixtureWindows:
         self.names, self.sources, self.schedule = names, sources, schedule
         self.num_windows = None  # unbounded: every source wraps around
         self._next_sample = 0
-        self.seq_len = None
 
     def batch(self, first_sample: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         first_sample, count = int(first_sample), int(count)

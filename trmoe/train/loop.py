@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.match import solve_match
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Config, Progress, SpikePolicy
+from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import (
     Batch,
     build_data,
@@ -67,19 +68,25 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
 def _eval_figures(model: TRMoETransformer, data, cfg: Config, device, amp_dtype) -> dict:
     """The evaluation columns of metrics.csv: held-out loss (and ppl, bits per byte) and the loss on a fixed
     stream of the training split; run_config.json["data"]["metric_streams"] names each stream. A mixture
-    adds each source's held-out loss and bpb (`data.metric_columns`)."""
-    eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
+    adds each source's held-out loss and bpb (`data.metric_columns`); its held-out set is theirs together,
+    so the overall loss is their token-weighted mean (each batch is scored once)."""
+    per_source = {}
+    for name, part in data.sources.items():
+        loss = evaluate(model, part.eval_set, cfg, device, amp_dtype)
+        per_source[f"eval_loss/{name}"], per_source[f"eval_bpb/{name}"] = loss, part.bpb(loss)
+    if data.sources:
+        tokens = {name: scored_tokens(part.eval_set) for name, part in data.sources.items()}
+        eval_loss = sum(per_source[f"eval_loss/{n}"] * k for n, k in tokens.items()) / sum(tokens.values())
+    else:
+        eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
     eval_train_loss = evaluate(model, data.eval_train_set, cfg, device, amp_dtype)
-    figures = {
+    return {
         "eval_train_loss": eval_train_loss,
         "eval_loss": eval_loss,
         "eval_ppl": _ppl(eval_loss),
         "eval_bpb": data.bpb(eval_loss),
+        **per_source,
     }
-    for name, part in data.sources.items():
-        loss = evaluate(model, part.eval_set, cfg, device, amp_dtype)
-        figures[f"eval_loss/{name}"], figures[f"eval_bpb/{name}"] = loss, part.bpb(loss)
-    return figures
 
 
 def checkpoint_store(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1) -> CheckpointStore:
