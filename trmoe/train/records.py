@@ -132,6 +132,7 @@ class MetricsWriter:
     def __init__(
         self, path: Path, *, append: bool = False, rows: int = 0, columns: tuple[str, ...] = METRIC_COLUMNS
     ):
+        append = append and rows > 0  # a header alone (a resume that found no metrics.csv) gets this header
         self.path = path
         self.rows = rows if append else 0
         self.columns = tuple(columns)
