@@ -51,6 +51,10 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         overrides.append("data.text_path=/some/corpus.txt")
     if (group, option) in (("data", "tokens"), ("data", "fineweb")):
         overrides.append("data.path=/some/dataset")
+    if (group, option) == ("data", "mixture"):
+        overrides.append(
+            "+data.sources={a: {source: embedded, weight: 1}, b: {source: text, text_path: t, weight: 2}}"
+        )
     cfg = to_config(compose_config(*overrides))
     spec = model_spec(cfg)
     assert spec.num_heads % spec.num_kv_heads == 0

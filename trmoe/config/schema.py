@@ -42,6 +42,7 @@ class DataSource(str, Enum):
     text = "text"  # a local UTF-8 file, documents separated by blank lines or data.separator
     tokens = "tokens"  # memory-mapped token shards (python -m trmoe.data.prepare), data.path
     fineweb = "fineweb"  # documents streamed from local Parquet (data.path) or the HF hub, tokenized live
+    mixture = "mixture"  # a weighted blend of several of the above (data.sources), per-source evaluation
 
 
 class MatchField(str, Enum):
@@ -279,6 +280,22 @@ class OptimizerConfig:
 
 
 @dataclass
+class MixtureSourceConfig:
+    """One source of data=mixture (`data.sources.<name>`): any single-source kind, with its weight. The keys a
+    kind does not use must stay null; eval_fraction, split_seed, verify and workers are data.*'s."""
+
+    source: DataSource = MISSING  # embedded | text | tokens | fineweb
+    weight: float = MISSING  # share of the training samples (the weights are normalised over the sources)
+    weight_final: float | None = None  # the weight from data.mixture_ramp_end on; None = weight
+    text_path: str | None = None  # text: UTF-8 file
+    separator: str | None = None  # text: document separator; None = blank lines
+    path: str | None = None  # tokens: dataset or shard dir; fineweb: Parquet file, dir or glob
+    eval_path: str | None = None  # tokens: held-out shard dir
+    text_field: str | None = None  # fineweb: the text column; None = data.text_field
+    order: SampleOrder | None = None  # None = data.order (fineweb: sequential)
+
+
+@dataclass
 class DataConfig:
     source: DataSource = DataSource.embedded  # embedded help texts, random ids, a text file, shards, Parquet
     text_path: str | None = None  # data=text: UTF-8 file, resolved against the launch directory
@@ -296,6 +313,9 @@ class DataConfig:
     hf_split: str = "train"  # fineweb: hub split to stream
     workers: int = 2  # fineweb: tokenizer processes feeding the background reader; 0 = in the reader thread
     pin_memory: bool = True  # CUDA/ROCm: batches come from pinned host memory (asynchronous copies)
+    sources: dict[str, MixtureSourceConfig] = field(default_factory=dict)  # data=mixture: name -> source
+    mixture_ramp_start: int | None = None  # mixture: weights leave `weight` after this optimizer step...
+    mixture_ramp_end: int | None = None  # ... and reach `weight_final` at this one (linear; absolute steps)
 
 
 @dataclass

@@ -212,6 +212,8 @@ def render_markdown(rep: Report, title: str) -> str:
             prow,
         )
 
+    lines += _per_source_section(rep)
+
     lines += ["", "## Comparability checklist", ""]
     lines.append(
         "Checked against the reproducible-comparison checklist. *differs by the swept keys*: the sweep made "
@@ -248,11 +250,73 @@ def render_markdown(rep: Report, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_names(rep: Report) -> list[str]:
+    """The mixture sources any run evaluated separately, in first-seen order."""
+    names: dict[str, None] = {}
+    for run in rep.runs:
+        names.update(dict.fromkeys(rep.summaries[run.name].sources))
+    return list(names)
+
+
+def _per_source_section(rep: Report) -> list[str]:
+    """data=mixture: each arm's final held-out loss and bpb per source, and the paired Δ against the control
+    per source (the same seeds and Student-t interval as the overall comparison)."""
+    names = source_names(rep)
+    if not names:
+        return []
+    lines = [
+        "",
+        "## Per-source held-out loss",
+        "",
+        "Runs on a mixture (`data=mixture`) score each source's held-out split separately "
+        "(`eval_loss/<source>`, `eval_bpb/<source>` in metrics.csv). Loss and bpb: the mean over the arm's "
+        "finished seeds of the final evaluation; Δ: the arm minus the control on the same seed, with its 95% "
+        "Student-t interval.",
+        "",
+    ]
+    rows = []
+    for name in names:
+
+        def loss(s: Summary, name: str = name) -> float | None:
+            return s.sources.get(name, (None, None))[0]
+
+        pairs = (
+            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, loss)}
+            if rep.control
+            else {}
+        )
+        for arm in rep.arms:
+            done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
+            losses = [v for v in (loss(s) for s in done) if v is not None]
+            bpbs = [v for v in (s.sources.get(name, (None, None))[1] for s in done) if v is not None]
+            p = pairs.get(arm.label)
+            ci = p.interval if p else None
+            rows.append(
+                [
+                    name,
+                    arm.label,
+                    str(len(losses)),
+                    _num(sum(losses) / len(losses) if losses else None),
+                    _num(sum(bpbs) / len(bpbs) if bpbs else None),
+                    "control"
+                    if arm is rep.control
+                    else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}"),
+                    "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                    "-" if p is None else p.verdict,
+                ]
+            )
+    return lines + _table(
+        ["source", "arm", "seeds", "final loss", "bpb", "mean Δ", "95% interval", "reading"], rows
+    )
+
+
 def _runs_csv(rep: Report) -> str:
     keys = arm_keys(rep.runs)
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS])
+    names = source_names(rep)
+    per_source = [f"{kind}/{n}" for n in names for kind in ("final_eval_loss", "eval_bpb")]
+    writer.writerow(["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source])
     for arm in rep.arms:
         for run in arm.runs:
             s, m = rep.summaries[run.name], run.record.get("param_match") or {}
@@ -261,6 +325,7 @@ def _runs_csv(rep: Report) -> str:
                 + [run.error or "", s.params_total, s.params_active, m.get("field"), m.get("width")]
                 + [m.get("residual"), s.tokens, s.final_eval, s.best_eval, s.eval_bpb, s.bpb_estimated]
                 + [s.train_loss, s.median_tok_s, s.mfu]
+                + [v for n in names for v in s.sources.get(n, (None, None))]
             )
     return buf.getvalue()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,11 +155,18 @@ class Pair:
         return "within noise (the interval contains 0)"
 
 
-def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list[Pair]:
+def paired(
+    arms: list[Arm],
+    control: Arm,
+    summaries: dict[str, Summary],
+    value: Callable[[Summary], float | None] = lambda s: s.final_eval,
+) -> list[Pair]:
+    """Each arm against the control on `value` (default: the final held-out loss), seed by seed."""
+
     def by_seed(arm: Arm) -> dict[int, float]:
         out = {}
         for run in arm.runs:
-            loss = summaries[run.name].final_eval
+            loss = value(summaries[run.name])
             if run.status == FINISHED and run.seed is not None and loss is not None:
                 out[run.seed] = loss
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trmoe.model.flops import datasheet_peak, flops_terms
 from trmoe.report.runs import Run
@@ -27,6 +27,8 @@ class Summary:
     tokens: int | None  # tokens trained so far (the last logged row)
     params_total: int | None
     params_active: int | None
+    sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
+    # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
 
 
 def _last(values: list[tuple[float, float, float]]) -> float | None:
@@ -111,4 +113,9 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         tokens=int(tokens[-1][2]) if tokens else None,
         params_total=params.get("total"),
         params_active=params.get("active"),
+        sources={
+            c.split("/", 1)[1]: (_last(run.series(c)), _last(run.series("eval_bpb/" + c.split("/", 1)[1])))
+            for c in run.columns
+            if c.startswith("eval_loss/")
+        },
     )

@@ -25,6 +25,7 @@ SECTIONS = [
     ("routing", schema.RoutingConfig, "Route tables or a learned router (see docs/routing.md)."),
     ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
     ("data", schema.DataConfig, "Training and held-out data."),
+    ("data.sources.<name>", schema.MixtureSourceConfig, "One source of `data=mixture` (see docs/data.md)."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),
     ("loss", schema.LossConfig, "Training objective."),
     ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
@@ -74,7 +75,7 @@ def _type_name(tp: object) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
-    value = f.default
+    value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     if value is dataclasses.MISSING or value == "???":
         return "(set by the profile)"
     if isinstance(value, enum.Enum):

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.match import solve_match
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Config, LoggerConfig, Progress, SpikePolicy
+from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import (
     Batch,
     build_data,
@@ -68,14 +69,25 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
 
 def _eval_figures(model: TRMoETransformer, data, cfg: Config, device, amp_dtype) -> dict:
     """The evaluation columns of metrics.csv: held-out loss (and ppl, bits per byte) and the loss on a fixed
-    stream of the training split; run_config.json["data"]["metric_streams"] names each stream."""
-    eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
+    stream of the training split; run_config.json["data"]["metric_streams"] names each stream. A mixture
+    adds each source's held-out loss and bpb (`data.metric_columns`); its held-out set is theirs together,
+    so the overall loss is their token-weighted mean (each batch is scored once)."""
+    per_source = {}
+    for name, part in data.sources.items():
+        loss = evaluate(model, part.eval_set, cfg, device, amp_dtype)
+        per_source[f"eval_loss/{name}"], per_source[f"eval_bpb/{name}"] = loss, part.bpb(loss)
+    if data.sources:
+        tokens = {name: scored_tokens(part.eval_set) for name, part in data.sources.items()}
+        eval_loss = sum(per_source[f"eval_loss/{n}"] * k for n, k in tokens.items()) / sum(tokens.values())
+    else:
+        eval_loss = evaluate(model, data.eval_set, cfg, device, amp_dtype)
     eval_train_loss = evaluate(model, data.eval_train_set, cfg, device, amp_dtype)
     return {
         "eval_train_loss": eval_train_loss,
         "eval_loss": eval_loss,
         "eval_ppl": _ppl(eval_loss),
         "eval_bpb": data.bpb(eval_loss),
+        **per_source,
     }
 
 
@@ -145,7 +157,7 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
     trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
-    data = build_data(cfg, spec.vocab_size, device=device)
+    data = build_data(cfg, spec.vocab_size, device=device, world_size=world_size)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
     except BaseException:
@@ -268,7 +280,7 @@ def _train(
                 "tokens_per_step": tokens_per_step,
                 "total_tokens": tokens_per_step * t.steps,
                 "data": data.info,
-                "metrics_columns": list(records.METRIC_COLUMNS),
+                "metrics_columns": [*records.METRIC_COLUMNS, *data.metric_columns],
                 "controls": controls.record(optimizer),  # loss backend, optimizer groups, schedules, compile
                 "param_match": None if match is None else match.to_dict(),  # model.match_params: solved width
                 # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
@@ -277,7 +289,10 @@ def _train(
         )
     if rank == 0:
         metrics = records.MetricsWriter(
-            run_dir / "metrics.csv", append=plan.mode == "resume", rows=plan.metrics_rows
+            run_dir / "metrics.csv",
+            append=plan.mode == "resume",
+            rows=plan.metrics_rows,
+            columns=(*records.METRIC_COLUMNS, *data.metric_columns),
         )
     else:  # ranks > 0 compute the same rows (the reductions are collective) but write nothing
         metrics = distributed.NullMetrics()

@@ -88,6 +88,11 @@ VOLATILE_KEYS = (
     "data_info.path",  # location; the content is identified by its hashes
     "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
     "data_info.metric_streams",
+    "data.sources.*.text_path",  # data=mixture: as data.text_path, for each source
+    "data_info.sources.*.path",
+    "data_info.sources.*.eval_*",
+    "data_info.sources.*.metric_streams",
+    "data_info.plan.*",  # a mixture's samples and epochs per source over trainer.steps (which may change)
 )
 
 
