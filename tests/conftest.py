@@ -15,6 +15,10 @@ from omegaconf import DictConfig
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas)
 
+# Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
