@@ -214,3 +214,13 @@ def text_run(tmp_path_factory) -> Path:
     finally:
         torch.set_num_threads(threads)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def exported(text_run, tmp_path_factory) -> Path:
+    """text_run exported as a Hugging Face directory (python -m trmoe.export's format hf)."""
+    pytest.importorskip("transformers")
+    from trmoe.export import export
+    from trmoe.load import load_model
+
+    return export(load_model(text_run), tmp_path_factory.mktemp("export") / "hf")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from conftest import run_cli
 pytest.importorskip("transformers")  # the `hf` extra (make test installs it)
 
 from trmoe.data.tokenizer import EOS_ID, load_o200k  # noqa: E402
-from trmoe.export import export  # noqa: E402
 from trmoe.generate import Sampling, generate  # noqa: E402
 from trmoe.load import load_model  # noqa: E402
 
@@ -24,11 +22,6 @@ MULTILINGUAL = (
     "Hello, world! Ünïcödé — 日本語のテキスト, 中文文本, русский текст, العربية, हिन्दी, 한국어, "
     "emoji 🤖🚀, numbers 1234567 and code: def f(x):\n\treturn x**2  \n\n<|endoftext|> after the end"
 )
-
-
-@pytest.fixture(scope="module")
-def exported(text_run, tmp_path_factory) -> Path:
-    return export(load_model(text_run), tmp_path_factory.mktemp("export") / "hf")
 
 
 @pytest.fixture(scope="module")
