@@ -6,6 +6,7 @@ harness's own `hf` model; bad input is one line and exit 2."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
     print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
     again = run_cli(args, cwd=tmp_path, module="trmoe.eval", timeout=600)
     assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
+    shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
 
 def test_exported_directory_with_the_harness_hf_model(exported, lm):
