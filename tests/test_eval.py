@@ -121,6 +121,39 @@ def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
     shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
 
+def test_the_harness_command_line_knows_model_trmoe(text_run, tmp_path):
+    args = [
+        "--model",
+        "trmoe",
+        "--model_args",
+        f"run={text_run},step=60",
+        "--batch_size",
+        "4",
+        "--tasks",
+        TASK,
+    ]
+    result = run_cli(
+        [*args, "--include_path", str(TASKS), "--limit", "2"], cwd=tmp_path, module="trmoe.eval.harness"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trmoe_tiny_mc" in result.stdout and "acc_norm" in result.stdout
+    bad = run_cli(
+        [
+            "--model",
+            "trmoe",
+            "--model_args",
+            f"run={text_run},step=7",
+            "--tasks",
+            TASK,
+            "--include_path",
+            str(TASKS),
+        ],
+        cwd=tmp_path,
+        module="trmoe.eval.harness",
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("trmoe: step=7")
+
+
 def test_exported_directory_with_the_harness_hf_model(exported, lm):
     from lm_eval.models.huggingface import HFLM
 

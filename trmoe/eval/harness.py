@@ -14,7 +14,14 @@ import trmoe.eval.lm  # noqa: F401  (registers --model trmoe)
 def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
-    return cli_evaluate() or 0
+    from trmoe.errors import UserError
+
+    try:
+        cli_evaluate()
+    except UserError as e:  # a bad run, step or device in --model_args: one line, as the other tools
+        print(f"trmoe: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """trmoe's model class for lm-evaluation-harness, registered as `trmoe`:
 
-    lm_eval ... --model trmoe --model_args run=<run dir>,step=<n>,batch_size=8,device=auto,dtype=auto
+    lm_eval ... --model trmoe --model_args run=<run dir>,step=<n>,dtype=auto --batch_size 8 --device cpu
 
 (through `python -m trmoe.eval.harness`, the harness's own command line with this class registered, or
 `lm_eval.simple_evaluate(model="trmoe", ...)` after importing this module). Log-likelihood requests are
@@ -44,6 +44,8 @@ class TRMoELM(TemplateLM):
             if run is None:
                 raise UserError("--model_args: run=<run dir> is required for --model trmoe")
             step = None if step in (None, "", "latest") else int(step)
+            if str(device).startswith("cuda") and not torch.cuda.is_available():
+                device = "auto"  # the harness's default device is cuda:0 even where there is none
             loaded = load_model(run, step, device=device, dtype=dtype)
             if not loaded.text_vocab:
                 raise UserError(f"run {run}: its model does not read o200k_base text (model.vocab_size)")
