@@ -148,6 +148,14 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
     """Write `loaded` (fp32, on CPU) into the new directory `out`; return it."""
     out = Path(out)
     check_out(out, fmt)
+    from trmoe.model.routing import REGISTRY
+
+    if fmt == "hf" and REGISTRY[loaded.spec.strategy].learned:
+        raise UserError(
+            f"--format hf: {loaded.checkpoint} routes with a learned router (routing.strategy="
+            f"{loaded.spec.strategy}); the exported model code supports fixed route tables only; allowed: "
+            "--format safetensors"
+        )
     model = loaded.model.to(device="cpu", dtype=torch.float32)
     loaded = LoadedModel(
         model, loaded.spec, loaded.step, loaded.checkpoint, loaded.config, torch.device("cpu")
