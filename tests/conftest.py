@@ -15,6 +15,10 @@ from omegaconf import DictConfig
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas)
 
+# Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -166,3 +170,57 @@ def watch_training(monkeypatch) -> list[dict]:
     monkeypatch.setattr(moe, "swiglu", swiglu)
     monkeypatch.setattr(loop, "TrainingControls", Watched)
     return runs
+
+
+# A tiny model (o200k vocabulary) trained to memorise a few sentences: what trmoe.sample, trmoe.export and
+# trmoe.eval are tested on. ~10 s on one core; one per test session.
+TRAINING_SENTENCES = [
+    "The cat sat on the mat and looked at the red ball.",
+    "A quick brown fox jumps over the lazy dog every morning.",
+    "Water boils at one hundred degrees at sea level.",
+    "The sun rises in the east and sets in the west.",
+]
+TEXT_RUN = [
+    "model=tiny",
+    "data=text",
+    "data.eval_fraction=0.2",
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.progress=log",
+    "trainer.seq_len=32",
+    "trainer.micro_batch=4",
+    "trainer.steps=60",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.log_every=20",
+    "optimizer.lr=1e-2",
+    "optimizer.warmup_steps=5",
+]
+
+
+@pytest.fixture(scope="session")
+def text_run(tmp_path_factory) -> Path:
+    """The run directory of a tiny model trained on TRAINING_SENTENCES (and a held-out filler document)."""
+    from trmoe.train.loop import train
+
+    root = tmp_path_factory.mktemp("text_run")
+    corpus = root / "corpus.txt"
+    docs = [" ".join(TRAINING_SENTENCES)] * 20 + ["Held out text about something else entirely."] * 3
+    corpus.write_text("\n\n".join(f"{d} ({i})" for i, d in enumerate(docs)) + "\n")
+    run_dir = root / "run"
+    threads = torch.get_num_threads()
+    try:
+        train(compose_config(*TEXT_RUN, f"data.text_path={corpus}"), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def exported(text_run, tmp_path_factory) -> Path:
+    """text_run exported as a Hugging Face directory (python -m trmoe.export's format hf)."""
+    pytest.importorskip("transformers")
+    from trmoe.export import export
+    from trmoe.load import load_model
+
+    return export(load_model(text_run), tmp_path_factory.mktemp("export") / "hf")

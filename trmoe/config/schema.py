@@ -394,6 +394,23 @@ class TelemetryConfig:
 
 
 @dataclass
+class EvalToolConfig:
+    """`python -m trmoe.eval run=<dir> tasks=[...]`: lm-evaluation-harness on a trained run (the `eval`
+    extra; docs/after_training.md). Writes <run>/eval/<step>.json."""
+
+    run: str = MISSING  # run directory, its checkpoints/ or one checkpoint
+    step: int | None = None  # checkpoint step; None = the newest complete one
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names (its registry or include_path)
+    include_path: str | None = None  # folder of local task YAMLs (the harness's format)
+    limit: int | None = None  # the first this many examples of each task; None = all
+    num_fewshot: int | None = None  # None = each task's own default
+    batch_size: int = 8  # requests scored per forward
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    out: str | None = None  # results file; None = <run>/eval/<step>.json
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     attention: AttentionConfig = MISSING
@@ -443,6 +460,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    cs.store(name="eval_tool", node=EvalToolConfig)
     for group, node in GROUPS.items():
         # at the top level, not in the group: a schema is no option of its group (`--help`, shell completion)
         cs.store(name=f"base_{group}", node=node)
