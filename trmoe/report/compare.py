@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
@@ -124,6 +124,7 @@ class Pair:
     deltas: list[float]  # arm - control, per seed
     arm_mean: float | None
     control_mean: float | None
+    excluded: list[str] = field(default_factory=list)  # runs of either arm left out, each with the reason
 
     @property
     def n(self) -> int:
@@ -155,20 +156,27 @@ class Pair:
 
 
 def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list[Pair]:
-    def by_seed(arm: Arm) -> dict[int, float]:
+    """Per arm, the seeds both it and the control finished; a diverged run (trmoe.report.integrity) is left
+    out, with the reason, so that its non-finite or untrained loss never enters a mean or an interval."""
+
+    def by_seed(arm: Arm, excluded: list[str]) -> dict[int, float]:
         out = {}
         for run in arm.runs:
-            loss = summaries[run.name].final_eval
-            if run.status == FINISHED and run.seed is not None and loss is not None:
-                out[run.seed] = loss
+            s = summaries[run.name]
+            if run.status == FINISHED and s.diverged:
+                excluded.append(f"{run.name} (seed {run.seed}): diverged: {s.diverged}")
+            elif run.status == FINISHED and run.seed is not None and s.final_eval is not None:
+                out[run.seed] = s.final_eval
         return out
 
-    base = by_seed(control)
+    control_excluded: list[str] = []
+    base = by_seed(control, control_excluded)
     pairs = []
     for arm in arms:
         if arm is control:
             continue
-        mine = by_seed(arm)
+        excluded = list(control_excluded)
+        mine = by_seed(arm, excluded)
         seeds = sorted(set(mine) & set(base))
         pairs.append(
             Pair(
@@ -177,6 +185,7 @@ def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list
                 deltas=[mine[s] - base[s] for s in seeds],
                 arm_mean=statistics.fmean(mine[s] for s in seeds) if seeds else None,
                 control_mean=statistics.fmean(base[s] for s in seeds) if seeds else None,
+                excluded=excluded,
             )
         )
     return pairs
