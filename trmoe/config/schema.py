@@ -7,6 +7,8 @@ so a key that is not in the schema fails at compose time, naming the key. Cross-
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -277,7 +279,9 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>
+    name: str | None = (
+        None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>-<random>
+    )
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
     overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
 
@@ -335,13 +339,33 @@ GROUPS: dict[str, Any] = {
 }
 
 
+NAME_MAX = 255  # bytes in one directory name (ext4, xfs, tmpfs, NFS)
+
+
 def check_run_name(name: str | None) -> None:
     """run.name names a directory inside runs/. Checked where hydra.run.dir resolves it, before Hydra makes
-    that directory: a '..' would leave directories behind, even outside the launch directory."""
-    if name is not None and (not name.strip() or name.startswith(("/", "~")) or ".." in name.split("/")):
+    that directory: a '..' would leave directories behind, even outside the launch directory; a '.' part
+    ('.', './.', 'a/.') would make runs/ itself (or a parent run) the run directory, next to every other run;
+    a part longer than the filesystem's name limit (255 bytes) fails only when the directory is made."""
+    if name is None:
+        return
+    parts = name.split("/")
+    bad = (
+        not name.strip()
+        or name.startswith(("/", "~"))
+        or any(part in (".", "..") for part in parts)
+        or not parts[-1]  # a trailing '/' (it would name the same directory as without it)
+    )
+    if bad:
         raise UserError(
             f"config error: run.name={name!r}: must name a directory inside runs/ "
-            "(a/b nests; no '..', not absolute)"
+            "(a/b nests; no '.' or '..' parts, no trailing '/', not absolute)"
+        )
+    longest = max(parts, key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX:
+        raise UserError(
+            f"config error: run.name: the part {longest[:40]!r}... is {len(longest.encode())} bytes long; "
+            f"allowed: at most {NAME_MAX} bytes per directory name"
         )
 
 
@@ -350,10 +374,18 @@ def _run_name(name: str | None, *parts: str) -> str:
     return name if name is not None else "-".join(str(p) for p in parts)
 
 
+def _stamp(pattern: str) -> str:
+    """The launch's time in `pattern` and a random suffix: default run names and sweep directories are unique
+    by construction, not by the clock's second (two launches in one second got one directory). Cached like
+    Hydra's `now`, whose cache Hydra hands to every job of a sweep: one launch, one value."""
+    return f"{time.strftime(pattern)}-{secrets.token_hex(3)}"
+
+
 def register() -> None:
     """Register the schemas so YAML files can extend them (`defaults: [base_<group>]`), and the
-    `trmoe.run_name` resolver used by hydra.run.dir."""
+    `trmoe.run_name` and `trmoe.stamp` resolvers used by hydra.run.dir and hydra.sweep.dir."""
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
+    OmegaConf.register_new_resolver("trmoe.stamp", _stamp, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in GROUPS.items():

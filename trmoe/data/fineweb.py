@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
+from trmoe.data.identity import file_sha256
 from trmoe.errors import UserError
 
 CHUNK_DOCS = 256  # documents per tokenizer task
@@ -98,20 +99,26 @@ class ParquetSource:
                 raise UserError(f"parquet file {path}: column {text_field!r} has type {kind}, not a string")
             self.row_groups.append(meta.num_row_groups)
             rows += meta.metadata.num_rows
+        # content identity (trmoe.data.identity): hashed once per launch and recorded; a resume compares
+        # them (data_info.stream.files) and the data cursor checks the fingerprint made of them
+        self.hashes = [file_sha256(p) for p in self.files]
         self.info = {
             "kind": self.kind,
             "path": spec,
-            "files": [{"path": str(p), "bytes": p.stat().st_size} for p in self.files],
+            "paths": [str(p) for p in self.files],  # where they are now (volatile: they may move)
+            "files": [
+                {"bytes": p.stat().st_size, "sha256": h, "row_groups": n}
+                for p, h, n in zip(self.files, self.hashes, self.row_groups, strict=True)
+            ],
             "rows": rows,
             "text_field": text_field,
         }
-        listing = "\n".join(
-            f"{p.name}:{p.stat().st_size}:{n}" for p, n in zip(self.files, self.row_groups, strict=True)
-        )
+        listing = "\n".join(f"{h}:{n}" for h, n in zip(self.hashes, self.row_groups, strict=True))
         self.fingerprint = hashlib.sha256(listing.encode()).hexdigest()
 
     def file_name(self, index: int) -> str:
-        return self.files[index].name
+        """The file's identity in a data cursor: its content (a moved or renamed copy is the same file)."""
+        return f"sha256:{self.hashes[index][:16]}"
 
     def documents(self, start: Cursor = Cursor()) -> Iterator[Doc]:
         pa, pq = _arrow()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import codecs
 import glob
-import hashlib
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ import numpy as np
 from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
+from trmoe.data.identity import file_sha256
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
 from trmoe.errors import UserError, require_directory
@@ -219,14 +219,6 @@ def file_documents(path: Path, text_field: str, separator: str | None) -> Iterat
         raise UserError(f"{path.suffix.lstrip('.') or 'text'} file {path}: contains no documents (empty)")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------- progress
 
 
@@ -336,7 +328,7 @@ def prepare(
         raise UserError(f"output {out}: is the input or inside it; choose another --out")
     enc = load_o200k()
     inputs = [
-        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in files
     ]
     source = {

@@ -23,8 +23,8 @@ from trmoe.data.pipeline import (
 )
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import distributed, env, guards, parallel, records, resume, signals, status
-from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir
+from trmoe.train import distributed, env, guards, parallel, records, resume, runlock, signals, status, storage
+from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir, read_pointer
 from trmoe.train.controls import TrainingControls, check_controls, is_log_step
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
@@ -99,7 +99,12 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
     early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
     logging.getLogger().addHandler(early)
     try:
-        return _job(raw_cfg, run_dir, early)
+        with runlock.hold(run_dir, rank=distributed.detect().rank):  # one live launch per run directory
+            return _job(raw_cfg, run_dir, early)
+    except OSError as e:  # the run directory cannot be written (full disk, read-only): one line, exit 3
+        if not storage.is_storage_error(e):
+            raise
+        raise storage.failure(e, run_dir, read_pointer(checkpoint_dir(run_dir))) from None
     finally:
         logging.getLogger().removeHandler(early)
 
@@ -160,7 +165,8 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         raise
     except BaseException as e:  # the run dir says why it stopped (a sweep report lists it as failed)
         if rank == 0:
-            status.write_status(run_dir, status.FAILED, error=status.error_line(e))
+            with contextlib.suppress(OSError):  # not even in place: the app's one line is the record
+                status.write_status(run_dir, status.FAILED, error=status.error_line(e))
         raise
     finally:
         data.close()

@@ -78,11 +78,16 @@ VOLATILE_KEYS = (
     "hardware.*",  # device, threads, determinism; derived.precision is the critical value
     "loss.chunk_tokens",  # memory, not math
     "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
+    "data.path",  # where the token shards / Parquet files are; their content hashes (data_info) are critical
+    "data.eval_path",
     "data.workers",  # reader parallelism
     "data.pin_memory",
     "data.verify",
     "derived.world_size",
     "data_info.path",  # location; the content is identified by its hashes
+    "data_info.*.path",  # (nested: data_info.shards.train.path, data_info.stream.path)
+    "data_info.*.paths",  # the Parquet files' locations (their hashes: data_info.stream.files)
+    "data_info.name",  # a text corpus is named by its file's location ("text:/abs/path")
     "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
     "data_info.metric_streams",
 )
