@@ -283,10 +283,11 @@ def _train(
     guard = guards.StepGuard(cfg.guard)
     identity = plan.identity(raw_cfg, data.info)
     train_time, last_saved = 0.0, -1
+    save_failure = ""  # why the last save failed, for the run's one line
 
     def save(step: int) -> bool:
         """Checkpoint `step`; False (reported) if the write failed, the previous checkpoint then stays."""
-        nonlocal last_saved
+        nonlocal last_saved, save_failure
         meta = {
             "tokens": step * tokens_per_step,
             "eval_loss": eval_loss,
@@ -309,12 +310,10 @@ def _train(
             store.save(step, model=model, optimizer=optimizer, local_state=state, meta=meta)
         except OSError as e:
             good = store.newest_good()
-            log.error(
-                "checkpoint at step %d failed: %s; the newest complete checkpoint is still %s",
-                step,
-                e,
-                good.path.name if good else "none",
+            save_failure = (
+                f"{e}; the newest complete checkpoint is still {good.path.name if good else 'none'}"
             )
+            log.error("checkpoint at step %d failed: %s", step, save_failure)
             return False
         last_saved = step
         return True
@@ -475,7 +474,7 @@ def _train(
         every = cfg.checkpoint.every_steps
         if is_last or halt or (every > 0 and step % every == 0):
             if not save(step) and (is_last or halt):
-                raise RunFailed(f"step {step}: the final checkpoint could not be written (see the log above)")
+                raise RunFailed(f"step {step}: the final checkpoint could not be written: {save_failure}")
             step_start = time.perf_counter()
         if halt:
             raise RunFailed(
@@ -486,7 +485,9 @@ def _train(
         signum = stop.agreed()
         if signum is not None and not is_last:  # SIGUSR2 / SIGTERM: save here, then stop (requeue resumes)
             if last_saved != step and not save(step):
-                raise RunFailed(f"step {step}: stop signal, but the checkpoint could not be written")
+                raise RunFailed(
+                    f"step {step}: stop signal, but the checkpoint could not be written: {save_failure}"
+                )
             progress.close()
             metrics.close()
             controls.close()
