@@ -94,7 +94,12 @@ VOLATILE_KEYS = (
 
 
 def is_volatile(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in VOLATILE_KEYS)
+    """A pattern names a key or a whole subtree: `data_info.metric_streams` covers its flattened keys
+    (`data_info.metric_streams.eval_loss`), which a plain fnmatch of the pattern never matched."""
+    return any(
+        fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, f"{pattern}.*")
+        for pattern in VOLATILE_KEYS
+    )
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
