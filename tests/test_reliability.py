@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -322,3 +323,58 @@ def test_run_failed_is_exit_3_for_a_lock_that_cannot_be_made(tmp_path):
     (tmp_path / "runs").write_text("a file where the runs go")
     with pytest.raises(RunFailed, match="cannot create the run directory"):
         RunLock(tmp_path / "runs" / "x").acquire()
+
+
+# -------------------------------------------------------------------------------- prepare, interrupted
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("signals", "when", "code"),
+    [
+        ((signal.SIGINT, signal.SIGINT), "start-up", 130),  # Ctrl-C twice at once, to the whole group
+        ((signal.SIGTERM,), "tokenizing", 143),
+        ((signal.SIGINT,), "tokenizing", 130),
+    ],
+    ids=["ctrl-c-twice-at-start-up", "sigterm", "ctrl-c"],
+)
+def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, signals, when, code):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(text_documents(40000)))
+    out = tmp_path / "ds"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trmoe.data.prepare", str(corpus), "--out", str(out), "--workers", "2"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    partial = out / "train" / "tokens.bin.partial"
+    if when == "start-up":  # the shard files are open, the workers are being spawned
+        wait_until(partial.exists, "the partial shard", proc)
+    else:
+        wait_until(lambda: partial.exists() and partial.stat().st_size > 0, "tokens written", proc)
+    for signum in signals:
+        os.killpg(proc.pid, signum)
+    out_text = proc.communicate(timeout=60)[0]  # promptly: it once waited ten minutes
+    assert proc.returncode == code, out_text[-3000:]
+    assert "Traceback" not in out_text and "leaked" not in out_text, out_text[-3000:]
+    name = signal.Signals(signals[0]).name
+    assert (
+        out_text.strip().splitlines()[-1]
+        == f"trmoe: data.prepare: interrupted ({name}); partial files removed"
+    )
+    assert not out.exists(), sorted(map(str, out.rglob("*")))  # everything it made is gone, as it says
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < deadline:  # no worker outlives it
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -51,6 +52,9 @@ def encode_documents(
 
 
 def _init_worker() -> None:
+    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool, removes its partial
+    # files and says so in one line); a worker would print a KeyboardInterrupt traceback each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     load_o200k()
 
 

@@ -15,10 +15,13 @@ as *.partial and renamed when complete; any error removes them.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,7 +358,8 @@ def prepare(
                 writers[p] = ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta)
             except OSError as exc:  # no permission, or a file put in the way since the check
                 raise UserError(f"--out {out}: cannot write {out / p} ({exc.strerror or exc})") from None
-        pool = make_pool(workers)
+        with interruptions_deferred():  # a Ctrl-C while the workers start would orphan them
+            pool = make_pool(workers)
         tasks = (
             (tag, (texts, eval_fraction, split_seed, "all"))
             for tag, texts in _chunks(files, text_field, separator)
@@ -376,13 +380,17 @@ def prepare(
                     f"{'raise' if p == 'eval' else 'lower'} --eval-fraction or add documents"
                 )
     except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        for d in reversed(created):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+        with interruptions_deferred(reraise=False):  # a second Ctrl-C must not cut the clean-up short
+            if pool is not None:
+                pool.terminate()
+                pool = None
+            for writer in writers.values():
+                writer.abort()
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
         raise
     finally:
         bar.close()
@@ -407,6 +415,31 @@ def prepare(
     summary["elapsed_s"] = elapsed
     summary["input_bytes"] = int(offsets[-1])
     return summary
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def interruptions_deferred(reraise: bool = True) -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP inside the block are held until it ends (then raised as one
+    KeyboardInterrupt, or dropped with reraise=False: the clean-up that an interruption started)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held and reraise:
+        raise KeyboardInterrupt(signal.Signals(held[0]).name)
 
 
 def _print_summary(out: Path, summary: dict[str, Any]) -> None:
@@ -466,6 +499,8 @@ def _parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stop in STOPS[1:]:  # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once)
+        signal.signal(stop, _interrupt)
     try:
         if argv[:1] == ["verify"]:
             verify = Parser(prog="python -m trmoe.data.prepare verify")
@@ -488,9 +523,10 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         print(f"trmoe: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("trmoe: data.prepare: interrupted; partial files removed", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        name = str(exc) if str(exc) in signal.Signals.__members__ else "SIGINT"
+        print(f"trmoe: data.prepare: interrupted ({name}); partial files removed", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name])
 
 
 if __name__ == "__main__":
