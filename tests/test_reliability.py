@@ -378,3 +378,52 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
     while _group_alive(proc.pid) and time.monotonic() < deadline:  # no worker outlives it
         time.sleep(0.1)
     assert not _group_alive(proc.pid)
+
+
+# --------------------------------------------------------------------------- report: diverged and disagreeing
+
+
+def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_finals_from_the_final_step(
+    tmp_path,
+):
+    """A real sweep: the control (lr 3e-3) and an arm whose loss becomes NaN (lr 1e12, non-finite guard off),
+    two seeds each. The arm was shown "finished" with its step-0 loss as the final one and paired."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "--multirun",
+        *TINY,
+        "trainer.steps=4",
+        "trainer.log_every=1",
+        "guard.skip_nonfinite=false",
+        "optimizer.lr=3e-3,1e12",
+        "trainer.seed=1,2",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.callbacks.report.control='optimizer.lr=0.003'",
+    ]
+    result = run_cli(args, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (sweep / "report.md").read_text()
+    assert "2 run(s) diverged (left out of the paired comparison)" in report
+    assert "Left out of the paired comparison (2)" in report and "no common finished seed" in report
+    assert "eval loss nan at the final step 4" in report
+    for line in report.splitlines():  # a diverged run's final eval is its NaN, never the step-0 loss
+        if line.startswith("| ") and "diverged: eval loss nan" in line:
+            assert "| nan |" in line
+    assert "records disagree" not in report
+
+    # a finished control run whose metrics.csv lost its last rows: flagged; its final figure is status.json's
+    # (written at the final step), never the step-0 loss metrics.csv still holds
+    control = next(
+        d
+        for d in sorted(sweep.iterdir())
+        if (d / "status.json").exists() and _status(d).get("final_eval_loss", 0) < 100
+    )
+    final = _status(control)["final_eval_loss"]
+    metrics = control / "metrics.csv"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # header + step 0
+    again = run_cli([str(sweep), "--no-plots"], cwd=tmp_path, timeout=300, module="trmoe.report")
+    assert again.returncode == 0, again.stderr
+    text = (sweep / "report.md").read_text()
+    assert "metrics.csv ends at step 0, but status.json says finished at step 4 (truncated?)" in text
+    row = next(line for line in text.splitlines() if line.startswith(f"| {control.name} |"))
+    assert f"{final:.4f}" in row
