@@ -427,3 +427,80 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
     assert "metrics.csv ends at step 0, but status.json says finished at step 4 (truncated?)" in text
     row = next(line for line in text.splitlines() if line.startswith(f"| {control.name} |"))
     assert f"{final:.4f}" in row
+
+
+# ------------------------------------------------------------------------------------ bad input, by class
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (
+            "trainer.steps=99999999999999999999",
+            "trainer.steps=99999999999999999999: must be an integer of at most",
+        ),
+        (
+            "model.match_params=99999999999999999999",
+            "model.match_params=99999999999999999999: must be an integer",
+        ),
+        ("trainer.seed=-99999999999999999999", "trainer.seed=-99999999999999999999: must be an integer"),
+        ("hardware.threads=100000", "hardware.threads=100000: this machine has"),
+        (
+            "model.hidden_size=1000000000000001",
+            "model.num_heads=4: must divide model.hidden_size=1000000000000001",
+        ),
+    ],
+)
+def test_out_of_range_integers_are_one_line_errors(override, needle):
+    """Every integer of the config must fit int64 (train, match and plan compose through the same check);
+    thread counts far above the cores are refused; a huge width does not hang the error message."""
+    from trmoe.config.resolve import to_config
+
+    with pytest.raises(UserError, match="config error: " + needle.replace("(", r"\(")):
+        to_config(compose_config(override))
+
+
+def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_nothing(tmp_path):
+    conf = tmp_path / "conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "bad.yaml").write_text("defaults:\n  - base_model\nname: bad\nhidden_size: [1,\n")
+    result = run_cli(["--config-dir", str(tmp_path / "conf"), "model=bad"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"trmoe: config error: {conf / 'bad.yaml'}: line 5, column 1: not valid YAML "
+        "(expected the node content, but found '<stream end>')"
+    )
+    # an allocation that would fail after the run directory holds its records: sized first
+    huge = run_cli(
+        ["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path, timeout=300
+    )
+    assert huge.returncode == 2 and "Traceback" not in huge.stderr, huge.stderr[-3000:]
+    assert huge.stderr.strip().startswith(
+        "trmoe: model tiny: its weights, gradients and optimizer state need"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]
+
+
+def test_prepare_names_the_jsonl_position_quotes_its_hint_and_names_symlinks_as_matched(tmp_path):
+    from trmoe.data.prepare import discover_inputs, prepare, train_override
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n')
+    with pytest.raises(
+        UserError, match=r"line 2 is not valid JSON \(Invalid control character at column 17\)$"
+    ):
+        prepare(str(bad), tmp_path / "out")
+    for path in ("/data/a b/ds", "/data/x,y/ds", "/data/it's/ds", '/data/$HOME "q"/ds', "/plain/ds"):
+        word = subprocess.run(
+            ["bash", "-c", f"printf %s {train_override('data.path', path)}"], capture_output=True, text=True
+        ).stdout
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        assert OverridesParser.create().parse_overrides([word])[0].value() == path
+    target = tmp_path / "real" / "target.txt"
+    target.parent.mkdir()
+    target.write_text("one\n\ntwo\n")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "link.txt").symlink_to(target)
+    _, files = discover_inputs(str(tmp_path / "in" / "*.txt"))
+    assert files == [tmp_path / "in" / "link.txt"]

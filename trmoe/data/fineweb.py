@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import glob
 import hashlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -58,18 +59,21 @@ def resolve_parquet_files(spec: str) -> list[Path]:
     """A Parquet file, a directory (every *.parquet below it) or a glob -> sorted absolute paths."""
     path = Path(spec).expanduser()
     if any(ch in spec for ch in "*?["):
-        files = sorted(Path(p).resolve() for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        # absolute, not resolved: a match that is a symlink is named as matched, not by its target
+        files = sorted(
+            Path(os.path.abspath(p)) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()
+        )
         if not files:
             raise UserError(f"data.path={spec}: the glob matches no files")
         return files
     if not path.exists():
         raise UserError(f"data.path={spec}: no such file or directory")
     if path.is_dir():
-        files = sorted(p.resolve() for p in path.rglob("*.parquet") if p.is_file())
+        files = sorted(Path(os.path.abspath(p)) for p in path.rglob("*.parquet") if p.is_file())
         if not files:
             raise UserError(f"data.path={spec}: the directory holds no *.parquet files")
         return files
-    return [path.resolve()]
+    return [Path(os.path.abspath(path))]
 
 
 class ParquetSource:

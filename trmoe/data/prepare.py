@@ -19,6 +19,8 @@ import contextlib
 import glob
 import json
 import os
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -50,7 +52,8 @@ def discover_inputs(spec: str) -> tuple[Path, list[Path]]:
     """(root, files): a single file (read as text unless it is .jsonl/.parquet), every .txt/.jsonl/.parquet
     file below a directory, or the files a glob matches; sorted by path."""
     if any(ch in spec for ch in "*?["):
-        files = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        # absolute, not resolved: a match that is a symlink is named as matched, not by its target
+        files = sorted(Path(os.path.abspath(p)) for p in glob.glob(os.path.expanduser(spec), recursive=True))
         files = [p for p in files if p.is_file()]
         if not files:
             raise UserError(f"input {spec}: the glob matches no files")
@@ -146,7 +149,11 @@ def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"jsonl file {path}: line {lineno} is not valid JSON ({exc.msg})") from None
+                raise UserError(
+                    # (json's msg can end in " at", the position it leaves to str(exc))
+                    f"jsonl file {path}: line {lineno} is not valid JSON "
+                    f"({exc.msg.removesuffix(' at')} at column {exc.colno})"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise UserError(
                     f"jsonl file {path}: line {lineno} has no field {text_field!r} (--text-field)"
@@ -327,7 +334,7 @@ def prepare(
     existing += [out / DATASET_FILE] if (out / DATASET_FILE).exists() else []
     if existing and not overwrite:
         raise UserError(f"output {out}: already holds a prepared dataset ({existing[0]}); use --overwrite")
-    if any(out == p or out in p.parents for p in files):
+    if any(out == p.resolve() or out in p.resolve().parents for p in files):
         raise UserError(f"output {out}: is the input or inside it; choose another --out")
     enc = load_o200k()
     inputs = [
@@ -451,7 +458,18 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
             f"  {p:5s} {part['documents']:>10,} documents  {part['num_tokens']:>14,} tokens  "
             f"{part['text_bytes']:>14,} bytes  {out / p}  sha256 {part['sha256'][:16]}"
         )
-    print(f"train with: python -m trmoe.train data=tokens data.path={out}")
+    print(f"train with: python -m trmoe.train data=tokens {train_override('data.path', out)}")
+
+
+def train_override(key: str, value: Path | str) -> str:
+    """`key=value` as one shell word that Hydra reads back as `value`: quoted for Hydra when the path holds
+    anything but plain path characters (a space, a comma, a bracket), and for the shell around that."""
+    text = str(value)
+    if re.fullmatch(r"[\w./:+~-]+", text):
+        return f"{key}={text}"
+    hydra = "'" + text.replace("'", "\\'") + "'"
+    word = f"{key}={hydra}"
+    return f'"{word}"' if not re.search(r'["$`\\!]', word) else shlex.quote(word)
 
 
 def _verify(paths: list[str]) -> None:

@@ -92,10 +92,12 @@ def _is_composition_error(e: BaseException) -> bool:
     """A config that cannot be composed (Hydra's and OmegaConf's exceptions, and the ValueError of Hydra's
     defaults list for a group override it cannot take, e.g. `hydra/launcher=5`), as opposed to a failure of
     the job itself, which keeps its traceback."""
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(e, HydraException | OmegaConfBaseException | ValueError)
+    # (yaml: a broken file under --config-dir)
+    return isinstance(e, HydraException | OmegaConfBaseException | ValueError | yaml.YAMLError)
 
 
 def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:

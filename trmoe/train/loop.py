@@ -23,7 +23,19 @@ from trmoe.data.pipeline import (
 )
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import distributed, env, guards, parallel, records, resume, runlock, signals, status, storage
+from trmoe.train import (
+    distributed,
+    env,
+    guards,
+    parallel,
+    records,
+    resume,
+    runlock,
+    signals,
+    sizing,
+    status,
+    storage,
+)
 from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir, read_pointer
 from trmoe.train.controls import TrainingControls, check_controls, is_log_step
 from trmoe.train.loss import chunked_tied_ce
@@ -138,6 +150,13 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
     data = build_data(cfg, spec.vocab_size, device=device)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
+    except BaseException:
+        data.close()
+        raise
+
+    fsdp = parallel.resolve_strategy(cfg.hardware.strategy, dist_env) == "fsdp"
+    try:
+        sizing.check_fits(cfg, spec, device, world_size if fsdp else 1)  # before anything is written
     except BaseException:
         data.close()
         raise

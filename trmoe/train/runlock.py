@@ -1,19 +1,18 @@
 """A run directory belongs to one live launch: `<run dir>/.lock`.
 
-The lock is an exclusive `flock` on that file, held for the whole launch by one open file description (not
-a POSIX `lockf`, which any close of the same file by the same process would silently drop). The kernel (or,
-on NFS, the lock manager: Linux sends flock there as a whole-file POSIX lock) releases it when the process
-dies in any way, SIGKILL included, so a dead launch never keeps it and nothing has to be cleaned up by hand. The file also holds a record of the holder (host,
-pid, start time, SLURM job id and restart count) so that a second launch is refused with one line naming
-it. The record is only informative: the lock itself decides.
+The lock is an exclusive `flock` on that file, held for the whole launch by one open file description (not a
+POSIX `lockf`, which any close of the same file by the same process would silently drop). The kernel (or, on
+NFS, the lock manager: Linux sends flock there as a whole-file POSIX lock) releases it when the process dies
+in any way, SIGKILL included, so a dead launch never keeps it and nothing has to be cleaned up by hand. The
+file also holds a record of the holder (host, pid, start time, SLURM job id and restart count) so that a
+second launch is refused with one line naming it. The record is only informative: the lock itself decides.
 
-Shared filesystems (docs/reliability.md, "One launch per run directory"): the lock is coherent across
-nodes on NFSv3 (NLM) and NFSv4, on Lustre mounted with `-o flock`, on GPFS, CephFS and BeeGFS; with
-Lustre's `-o localflock` or NFS's `-o nolock` it holds within one node only. A lock held
-by a node that is lost without rebooting stays with the NFS server until its lease ends (NFSv4, ~90 s) or
-its lock recovery (NFSv3). A requeue of the same SLURM job (the holder record names the same job id: SLURM
-starts the requeued job only after the first one ended) therefore takes the directory over, with a
-warning, instead of being refused.
+Shared filesystems (docs/reliability.md, "One launch per run directory"): the lock is coherent across nodes
+on NFSv3 (NLM) and NFSv4, on Lustre mounted with `-o flock`, on GPFS, CephFS and BeeGFS; with Lustre's `-o
+localflock` or NFS's `-o nolock` it holds within one node only. A lock held by a node that is lost without
+rebooting stays with the NFS server until its lease ends (NFSv4, ~90 s) or its lock recovery (NFSv3). A
+requeue of the same SLURM job (the holder record names the same job id: SLURM starts the requeued job only
+after the first one ended) therefore takes the directory over, with a warning, instead of being refused.
 """
 
 from __future__ import annotations
