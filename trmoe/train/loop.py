@@ -114,7 +114,7 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
         with runlock.hold(run_dir, rank=distributed.detect().rank):  # one live launch per run directory
             return _job(raw_cfg, run_dir, early)
     except OSError as e:  # the run directory cannot be written (full disk, read-only): one line, exit 3
-        if not storage.is_storage_error(e):
+        if not storage.is_storage_error(e, run_dir):
             raise
         raise storage.failure(e, run_dir, read_pointer(checkpoint_dir(run_dir))) from None
     finally:

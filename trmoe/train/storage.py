@@ -16,11 +16,22 @@ from pathlib import Path
 
 from trmoe.errors import RunFailed
 
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES})
+# a full disk or quota, a read-only or failing filesystem: whatever file it hit
+FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 
-def is_storage_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+def is_storage_error(exc: BaseException, run_dir: Path) -> bool:
+    """An OSError of the run directory's storage: a full or read-only filesystem, or no permission on a file
+    of the run directory (not on an input: reading the data is another error)."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in FULL_OR_READ_ONLY:
+        return True
+    if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename is not None:
+        run = Path(run_dir).absolute()
+        path = Path(str(exc.filename)).absolute()
+        return path == run or run in path.parents
+    return False
 
 
 def failure(exc: OSError, run_dir: Path, newest: str | None) -> RunFailed:
