@@ -240,7 +240,7 @@ class DataConfig:
 class HardwareConfig:
     device: Device = Device.auto  # auto: cuda/rocm if available, else mps, else cpu
     precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default at process start
+    threads: int | None = None  # intra-op CPU threads, null = torch's default; > cores warned, > 16x refused
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
     reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
@@ -290,7 +290,7 @@ class RunConfig:
 class CheckpointConfig:
     """Checkpoints in <run dir>/checkpoints (docs/reliability.md): atomic, verified, resumable."""
 
-    every_steps: int = 500  # save every this many steps (also at the end, on SIGUSR2/SIGTERM); 0 = end only
+    every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 
