@@ -279,9 +279,7 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = (
-        None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>-<random>
-    )
+    name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>-<rnd>
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
     overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
 
