@@ -279,7 +279,7 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = None  # runs/<name>/ (not --multirun); None = <model>-<attention>-<routing>-<time>-<hex>
+    name: str | None = None  # runs/<name>/ (not --multirun); None: <model>-<attention>-<routing>-<time>-<x>
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
     overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
 
