@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import compose_config, run_cli, wait_until
 from test_data_pipeline import FAST, text_documents
+from test_resume import _descendants
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.train.loop import train
@@ -328,12 +329,29 @@ def test_run_failed_is_exit_3_for_a_lock_that_cannot_be_made(tmp_path):
 # -------------------------------------------------------------------------------- prepare, interrupted
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _group(pgid: int) -> list[str]:
+    """The live processes of a process group (command lines), zombies left out."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 @pytest.mark.parametrize(
@@ -363,6 +381,7 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
         wait_until(partial.exists, "the partial shard", proc)
     else:
         wait_until(lambda: partial.exists() and partial.stat().st_size > 0, "tokens written", proc)
+    workers = _descendants(proc.pid)
     for signum in signals:
         os.killpg(proc.pid, signum)
     out_text = proc.communicate(timeout=60)[0]  # promptly: it once waited ten minutes
@@ -375,9 +394,9 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
     )
     assert not out.exists(), sorted(map(str, out.rglob("*")))  # everything it made is gone, as it says
     deadline = time.monotonic() + 30
-    while _group_alive(proc.pid) and time.monotonic() < deadline:  # no worker outlives it
+    while (_alive(workers) or _group(proc.pid)) and time.monotonic() < deadline:  # no worker outlives it
         time.sleep(0.1)
-    assert not _group_alive(proc.pid)
+    assert not _alive(workers) and _group(proc.pid) == []
 
 
 # --------------------------------------------------------------------------- report: diverged and disagreeing

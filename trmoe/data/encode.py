@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -52,9 +53,13 @@ def encode_documents(
 
 
 def _init_worker() -> None:
-    # Ctrl-C reaches the whole process group: the parent decides (it stops the pool, removes its partial
-    # files and says so in one line); a worker would print a KeyboardInterrupt traceback each
+    # Ctrl-C, and a SIGTERM/SIGHUP sent to the whole process group, are the parent's to handle: it stops
+    # the pool and removes its partial files. A worker of the group would print a KeyboardInterrupt
+    # traceback, and one killed while it holds the task queue's lock deadlocks Pool.terminate(); so the
+    # workers leave the group (and ignore Ctrl-C until they have).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)
     load_o200k()
 
 
