@@ -114,6 +114,7 @@ def test_tokens_eval_sets_and_bits_per_byte(dataset):
     assert set(data.info["metric_streams"]) == {"train_loss", "eval_train_loss", "eval_loss", "eval_bpb"}
     assert "held-out" in data.info["metric_streams"]["eval_loss"]
     assert "not held out" in data.info["metric_streams"]["eval_train_loss"]
+    assert "logging window" in data.info["metric_streams"]["train_loss"]  # a mean over it, not one batch
 
 
 def test_single_shard_holds_out_whole_tail_documents(tmp_path):

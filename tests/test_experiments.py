@@ -25,7 +25,7 @@ PILOT_TARGET = 99_487_680
 PILOT = ["model=100m", "model.gates=false", f"model.match_params={PILOT_TARGET}"]
 DENSE = ["model.num_experts=1", "routing.top_k=1", "model.routed_width=0"]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-# Small enough that the 9-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
+# Small enough that the 11-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
 TINY_RUN = [
     "trainer.steps=2",
     "trainer.micro_batch=2",
@@ -139,10 +139,16 @@ def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name):
     for arm in arms:
         cfg = to_config(compose_config(f"experiment={name}", f"arm={arm}"))
         solution = solve_match(cfg)
+        if cfg.routing.strategy.value == "learned":  # the hash arms' widths plus its router, L x E x H
+            m = cfg.model
+            assert solution.residual == m.num_layers * m.num_experts * m.hidden_size, (arm, solution)
+            continue
         assert solution.exact and solution.total == target, (arm, solution)
 
 
-@pytest.mark.parametrize("name", ["routing_ablation", "attention_matched", "topk", "seeds"])
+@pytest.mark.parametrize(
+    "name", ["routing_ablation", "attention_matched", "topk", "seeds", "hash_vs_learned"]
+)
 def test_each_grid_has_a_smoke_variant_with_the_same_arms(name):
     real, smoke = _grid(name), _grid(f"{name}_smoke")
     assert dict(real.hydra.sweeper.params) == dict(smoke.hydra.sweeper.params)
@@ -294,6 +300,36 @@ def test_smoke_sweep_report_has_a_row_per_arm_pairs_checklist_and_plots(smoke_sw
     assert {"loss_vs_tokens.png", "tok_s.png", "paired_deltas.png"} <= set(plots)
     assert len([p for p in plots if p.startswith("run_")]) == len(arms)
     assert all((smoke_sweep / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+
+
+def test_hash_vs_learned_smoke_grid_runs_and_its_report_lists_every_arm(tmp_path):
+    arms = _grid("hash_vs_learned_smoke").hydra.sweeper.params["arm"].split(",")
+    assert {a.rsplit("/", 1)[1] for a in arms} == {"dense", "modulo_cyclic", "multi_hash", "learned"}
+    result = run_cli(
+        ["-m", "experiment=hash_vs_learned_smoke", *TINY_RUN, "hydra.sweep.dir=grid"],
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    grid = tmp_path / "grid"
+    with open(grid / "report.csv", newline="") as f:
+        rows = {r["arm"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == sorted(f"arm={a}" for a in arms)
+    assert all(
+        r["status"] == "finished" and math.isfinite(float(r["final_eval_loss"])) for r in rows.values()
+    )
+    learned = rows["arm=hash_vs_learned/learned"]
+    assert learned["params_total"] == "12924992" and learned["match_residual"] == "512"
+    md = (grid / "report.md").read_text()
+    assert all(f"| arm={a} |" in md for a in arms)
+    job = next(
+        p
+        for p in grid.iterdir()
+        if p.is_dir() and (p / "metrics.csv").exists() and "learned" in (p / "run_config.json").read_text()
+    )
+    with open(job / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert float(last["router_aux"]) >= 1.0 - 1e-6 and last["expert_imbalance"] not in ("", "nan")
 
 
 def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,26 @@ from conftest import compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import RoutedExperts, TRMoEFFN, route_weights, swiglu
+from trmoe.model.spec import ModelSpec, ffn_spec
 from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts
+
+
+def _spec(
+    hidden: int, routed: int, experts: int, top_k: int, p: float, vocab: int, strategy: str, seed: int = 0
+) -> ModelSpec:
+    """The spec of a routed branch alone (no shared expert)."""
+    return ffn_spec(
+        hidden_size=hidden,
+        shared_width=0,
+        routed_width=routed,
+        num_experts=experts,
+        top_k=top_k,
+        primary_weight=p,
+        vocab_size=vocab,
+        strategy=strategy,
+        route_seed=seed,
+    )
+
 
 # Reference totals: vocab 200,019, learnable gates on, no vocab padding (anchor report, section 3).
 PARITY = {
@@ -80,9 +100,7 @@ def _naive_routed(module: RoutedExperts, x: torch.Tensor, ids: torch.Tensor) -> 
 )
 def test_dispatch_equals_naive_per_token_reference(strategy, experts, top_k, p):
     torch.manual_seed(0)
-    module = RoutedExperts(
-        16, experts * 6, experts, top_k, p, vocab_size=97, layer=1, strategy=strategy, seed=3, hash_count=2
-    ).double()
+    module = RoutedExperts(_spec(16, experts * 6, experts, top_k, p, 97, strategy, seed=3), layer=1).double()
     for param in module.parameters():
         torch.nn.init.normal_(param, 0, 0.3)
     x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
@@ -113,9 +131,7 @@ def test_dispatch_does_k_rows_of_work_per_token(monkeypatch, strategy, by_tuple)
 
     monkeypatch.setattr(moe, "grouped_mm", counting)
     n, hidden, width, k = 500, 8, 32 // 4, 2
-    module = RoutedExperts(
-        hidden, 32, 4, k, 0.5, vocab_size=1000, layer=0, strategy=strategy, seed=0, hash_count=2
-    )
+    module = RoutedExperts(_spec(hidden, 32, 4, k, 0.5, 1000, strategy), layer=0)
     assert (module.route_tuples is not None) == by_tuple
     ids = torch.randint(0, 1000, (n,))
     module(torch.randn(n, hidden), ids)
@@ -137,9 +153,7 @@ def test_bf16_parameters_with_fp32_buffers_stay_bf16(strategy):
     """FSDP2's mixed precision casts the parameters to bf16 but not the buffers (route weights): the routed
     branch must not promote its rows or weights back to fp32 (grouped GEMMs need one dtype)."""
     torch.manual_seed(0)
-    module = RoutedExperts(
-        16, 64, 4, 2, 0.7, vocab_size=500, layer=0, strategy=strategy, seed=0, hash_count=2
-    )
+    module = RoutedExperts(_spec(16, 64, 4, 2, 0.7, 500, strategy), layer=0)
     for p in module.parameters():
         torch.nn.init.normal_(p, 0.0, 0.2)
     x, ids = torch.randn(64, 16), torch.randint(0, 500, (64,))
@@ -156,10 +170,9 @@ def test_route_tuples_follow_a_loaded_route_table():
     """The tuple grouping is derived from the route table: loading another table re-derives it (a stale one
     would route tokens through the wrong experts)."""
     torch.manual_seed(0)
-    args = dict(vocab_size=97, layer=0, seed=0, hash_count=2)
-    a = RoutedExperts(8, 16, 4, 2, 0.5, strategy="modulo_cyclic", **args)
-    b = RoutedExperts(8, 16, 4, 2, 0.5, strategy="modulo_cyclic", **{**args, "layer": 1})
-    c = RoutedExperts(8, 16, 4, 2, 0.5, strategy="random", **args)  # 12 tuples: by expert
+    a = RoutedExperts(_spec(8, 16, 4, 2, 0.5, 97, "modulo_cyclic"), layer=0)
+    b = RoutedExperts(_spec(8, 16, 4, 2, 0.5, 97, "modulo_cyclic"), layer=1)
+    c = RoutedExperts(_spec(8, 16, 4, 2, 0.5, 97, "random"), layer=0)  # 12 tuples: by expert
     for p in [*b.parameters(), *c.parameters()]:
         torch.nn.init.normal_(p, 0.0, 0.3)
     assert not torch.equal(a.route_table, b.route_table) and a.route_tuples is not None
@@ -176,24 +189,8 @@ def test_dense_control_equals_one_swiglu_of_combined_width():
     """E=1, K=1 with gates off: shared (width S) + one expert (width R) == a dense SwiGLU of width S+R."""
     torch.manual_seed(0)
     h, s, r = 12, 10, 6
-    ffn = TRMoEFFN(
-        h,
-        s,
-        r,
-        1,
-        1,
-        1.0,
-        gates=False,
-        shared_gate_init=1.0,
-        routed_gate_init=1.0,
-        shared_scale=1.0,
-        routed_scale=1.0,
-        vocab_size=50,
-        layer=0,
-        strategy="modulo_cyclic",
-        seed=0,
-        hash_count=2,
-    ).double()
+    spec = ffn_spec(hidden_size=h, shared_width=s, routed_width=r, num_experts=1, top_k=1, primary_weight=1.0)
+    ffn = TRMoEFFN(replace(spec, vocab_size=50), layer=0).double()
     for param in ffn.parameters():
         torch.nn.init.normal_(param, 0, 0.3)
     sg, su = ffn.shared.w_in.chunk(2, dim=1)
@@ -209,24 +206,24 @@ def _gated_ffn(
 ) -> TRMoEFFN:
     """A float64 FFN (H = 8, E = 4, K = 2, p = 0.7) with gates 0.5 / 2.0 and (shared, routed) scales."""
     torch.manual_seed(0)
-    ffn = TRMoEFFN(
-        8,
-        shared,
-        routed,
-        4,
-        2,
-        0.7,
+    spec = ffn_spec(
+        hidden_size=8,
+        shared_width=shared,
+        routed_width=routed,
+        num_experts=4,
+        top_k=2,
+        primary_weight=0.7,
         gates=True,
         shared_gate_init=0.5,
         routed_gate_init=2.0,
-        shared_scale=scales[0],
-        routed_scale=scales[1],
         vocab_size=40,
-        layer=2,
         strategy=strategy,
-        seed=1,
-        hash_count=2,
-    ).double()
+        route_seed=1,
+        num_layers=3,
+        shared_scales=(0.0, 0.0, scales[0]),
+        routed_scales=(0.0, 0.0, scales[1]),
+    )
+    ffn = TRMoEFFN(spec, layer=2).double()
     for p in (ffn.shared.w_in, ffn.shared.w_out, ffn.routed.w_in, ffn.routed.w_out):
         torch.nn.init.normal_(p, 0, 0.3)
     return ffn
@@ -281,6 +278,30 @@ def test_init_statistics_and_tied_head():
     assert model.head_weight is model.embed.weight
 
 
+def test_legacy_kaiming_init_draws_the_routed_gate_and_up_as_the_old_runner():
+    """model.init=legacy_kaiming (the fact sheet's 3.1): routed gate and up U(-b, b) with b = 1/sqrt(I_e)
+    (Panel A's I_e = 192: b 0.07217, std 0.04167); everything else as the default init, the routed down
+    N(0, 0.02/sqrt(2L)) included."""
+    overrides = ["model=100m", "model.vocab_size=512", "model.gates=false", "model.routed_width=768"]
+    spec = model_spec(to_config(compose_config(*overrides, "model.init=legacy_kaiming")))
+    assert spec.init == "legacy_kaiming" and spec.expert_width == 192
+    torch.manual_seed(0)
+    model = TRMoETransformer(spec)
+    w_in = model.blocks[3].ffn.routed.w_in.detach()
+    bound = 1 / math.sqrt(192)
+    assert bound == pytest.approx(0.07217, abs=1e-5)
+    assert float(w_in.abs().max()) <= bound and float(w_in.abs().max()) > 0.999 * bound
+    for half in w_in.chunk(2, dim=2):  # gate and up, each expert
+        for expert in half:
+            assert expert.std().item() == pytest.approx(0.04167, rel=0.02)
+    residual = 0.02 / math.sqrt(2 * spec.num_layers)
+    assert model.blocks[3].ffn.routed.w_out.std().item() == pytest.approx(residual, rel=0.03)
+    assert model.blocks[3].ffn.shared.w_in.std().item() == pytest.approx(0.02, rel=0.03)
+    torch.manual_seed(0)
+    default = TRMoETransformer(model_spec(to_config(compose_config(*overrides))))
+    assert default.blocks[3].ffn.routed.w_in.std().item() == pytest.approx(0.02, rel=0.03)
+
+
 def test_route_tables_are_persistent_buffers_and_causality_holds():
     spec = model_spec(to_config(compose_config("model.vocab_size=300", "routing=multi_hash")))
     model = TRMoETransformer(spec)
@@ -298,9 +319,7 @@ def test_grouped_gemm_path_equals_the_per_expert_loop_on_cpu(monkeypatch):
     import trmoe.model.moe as moe
 
     torch.manual_seed(0)
-    module = RoutedExperts(
-        16, 64, 4, 2, 0.7, vocab_size=1000, layer=0, strategy="multi_hash", seed=0, hash_count=2
-    )
+    module = RoutedExperts(_spec(16, 64, 4, 2, 0.7, 1000, "multi_hash"), layer=0)
     for p in module.parameters():
         torch.nn.init.normal_(p, 0.0, 0.1)
     x, ids = torch.randn(300, 16), torch.randint(0, 1000, (300,))

@@ -256,3 +256,45 @@ def test_usage_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
     assert captured.out == "" and captured.err.startswith(f"trmoe: {needle}; allowed: see python -m trmoe.")
     assert len(captured.err.splitlines()) == 1, captured.err
     assert os.listdir(tmp_path) == ["c.txt"]
+
+
+def test_token_counts_of_the_training_split_feed_the_frequency_strategy(tmp_path):
+    """prepare writes token_counts.npy: the exact counts of the training split's tokens (EOS included, the
+    held-out documents not); routing=frequency_balanced_secondary finds it through data.path, builds its
+    tables from it, and refuses to start without it (one line naming routing.frequencies)."""
+    import torch
+    from conftest import compose_config
+
+    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.model.routing import build_route_table
+    from trmoe.model.transformer import TRMoETransformer
+
+    docs = documents(80, seed=2)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+    summary = prepare(str(tmp_path / "corpus.txt"), tmp_path / "out", eval_fraction=0.2, split_seed=1)
+    counts = np.load(tmp_path / "out" / "token_counts.npy")
+    train = [d for d in docs if not is_eval_document("", d, 0.2, 1)]
+    want = np.bincount(expected_ids(train), minlength=200_019)
+    assert counts.dtype == np.int64 and np.array_equal(counts, want)
+    assert summary["token_counts"] == {
+        "path": "token_counts.npy",
+        "partition": "train",
+        "total": int(want.sum()),
+    }
+    overrides = [
+        "model=tiny",
+        "data=tokens",
+        f"data.path={tmp_path / 'out'}",
+        "routing=frequency_balanced_secondary",
+    ]
+    spec = model_spec(to_config(compose_config(*overrides)))
+    assert spec.route_frequencies == str(tmp_path / "out" / "token_counts.npy")
+    torch.manual_seed(0)
+    model = TRMoETransformer(spec)
+    table = build_route_table("frequency_balanced_secondary", 200_019, 4, 2, 1, frequencies=counts)
+    assert torch.equal(model.blocks[1].ffn.routed.route_table, table)
+    mass = np.bincount(table[1].numpy(), weights=counts, minlength=4)
+    assert mass.max() - mass.min() <= counts.max()  # the secondary balances occurrences
+    (tmp_path / "out" / "token_counts.npy").unlink()
+    with pytest.raises(UserError, match=r"^config error: routing.frequencies=None: .*token_counts.npy"):
+        to_config(compose_config(*overrides))

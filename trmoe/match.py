@@ -45,7 +45,12 @@ def expand_arms(overrides: list[str], arms: list[str]) -> list[list[str]]:
 def _ffn_text(spec) -> str:
     if spec.num_experts == 1 or not spec.routed_width:
         return f"dense {spec.shared_width + spec.routed_width}"
-    routes = f"top-{spec.top_k}" + (f" p={spec.primary_weight:g}" if spec.top_k > 1 else "")
+    from trmoe.model.routing import REGISTRY
+
+    if REGISTRY[spec.strategy].learned:  # its router's E x H per layer is in total and active
+        routes = f"learned top-{spec.top_k}, router {spec.num_experts}x{spec.hidden_size}"
+    else:
+        routes = f"top-{spec.top_k}" + (f" p={spec.primary_weight:g}" if spec.top_k > 1 else "")
     return f"{spec.shared_width} + {spec.num_experts}x{spec.expert_width}, {routes}"
 
 

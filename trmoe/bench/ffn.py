@@ -17,6 +17,7 @@ import torch
 from trmoe.bench.common import LayerBench, layer_args, paired_ratio, record, time_interleaved
 from trmoe.config.schema import HardwareConfig
 from trmoe.model.moe import SharedExpert, TRMoEFFN
+from trmoe.model.spec import ffn_spec
 from trmoe.train import env
 
 LAYOUTS = {  # name: (hidden, shared width, routed width)
@@ -38,24 +39,18 @@ def tr_ffn(
     std: float = 0.02,
 ) -> TRMoEFFN:
     """A TR-MoE FFN with gates on (p = 0.5), its matrices drawn from N(0, std)."""
-    ffn = TRMoEFFN(
-        hidden,
-        shared,
-        routed,
-        experts,
-        top_k,
-        0.5,
+    spec = ffn_spec(
+        hidden_size=hidden,
+        shared_width=shared,
+        routed_width=routed,
+        num_experts=experts,
+        top_k=top_k,
+        primary_weight=0.5,
         gates=True,
-        shared_gate_init=1.0,
-        routed_gate_init=1.0,
-        shared_scale=1.0,
-        routed_scale=1.0,
         vocab_size=vocab,
-        layer=0,
         strategy=strategy,
-        seed=0,
-        hash_count=2,
     )
+    ffn = TRMoEFFN(spec, layer=0)
     for p in ffn.parameters():
         if p.ndim >= 2:
             torch.nn.init.normal_(p, 0.0, std)

@@ -12,8 +12,9 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from trmoe.config.match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
-from trmoe.config.validate import kv_heads, validate
+from trmoe.config.validate import frequencies_path, kv_heads, validate
 from trmoe.errors import UserError
+from trmoe.model.routing import REGISTRY
 from trmoe.model.transformer import ModelSpec
 
 
@@ -173,6 +174,13 @@ def depth_scales(first: float, last: float | None, num_layers: int) -> tuple[flo
     return tuple(first + (last - first) * layer / (num_layers - 1) for layer in range(num_layers))
 
 
+def _route_frequencies(cfg: Config) -> str | None:
+    if not REGISTRY[cfg.routing.strategy.value].needs_frequencies:
+        return None
+    path = frequencies_path(cfg)
+    return str(path) if path is not None else None
+
+
 def model_spec(cfg: Config) -> ModelSpec:
     m, r, a = cfg.model, cfg.routing, cfg.attention
     pad = m.vocab_pad_multiple
@@ -201,4 +209,6 @@ def model_spec(cfg: Config) -> ModelSpec:
         routed_scales=depth_scales(m.routed_scale, m.routed_scale_last, m.num_layers),
         init_std=m.init_std,
         norm_eps=m.norm_eps,
+        init=m.init.value,
+        route_frequencies=_route_frequencies(cfg),
     )

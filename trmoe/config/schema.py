@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from trmoe.errors import UserError
+from trmoe.model.routing import ALL_STRATEGIES
 
 
 class AttentionKind(str, Enum):
@@ -25,12 +26,16 @@ class AttentionKind(str, Enum):
     mqa = "mqa"  # multi-query: a single key/value head
 
 
-class RoutingStrategy(str, Enum):
-    modulo_cyclic = "modulo_cyclic"
-    random = "random"
-    balanced_hash = "balanced_hash"
-    affine_hash = "affine_hash"
-    multi_hash = "multi_hash"
+# routing.strategy's values are the strategy registry's names (trmoe/model/routing.py REGISTRY, which
+# docs/routing.md tabulates): one list
+RoutingStrategy = Enum("RoutingStrategy", {name: name for name in ALL_STRATEGIES}, type=str)
+
+
+class ModelInit(str, Enum):
+    default = "default"  # N(0, init_std); residual writers init_std / sqrt(2L)
+    legacy_kaiming = (
+        "legacy_kaiming"  # the old runner's: routed gate/up U(-1/sqrt(I_e), 1/sqrt(I_e)), rest default
+    )
 
 
 class DataSource(str, Enum):
@@ -157,6 +162,7 @@ class ModelConfig:
     shared_scale_last: float | None = None  # if set, a goes linearly to this value at the last layer
     routed_scale_last: float | None = None  # if set, b goes linearly to this value at the last layer
     init_std: float = 0.02  # N(0, init_std); residual-writing projections use init_std / sqrt(2 * num_layers)
+    init: ModelInit = ModelInit.default  # default | legacy_kaiming (routed gate/up U(+-1/sqrt(expert width)))
     norm_eps: float = 1e-6  # RMSNorm epsilon
     match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
     match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
@@ -172,9 +178,10 @@ class AttentionConfig:
 
 @dataclass
 class RoutingConfig:
-    """How token ids pick their K routed experts (a fixed table per layer, no learned router)."""
+    """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or, with
+    strategy=learned, a linear router over the FFN input (docs/routing.md)."""
 
-    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction
+    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction, or learned
     top_k: int = 2  # K distinct experts per token
     primary_weight: float = 0.5  # p: weight of route 0; routes 1..K-1 get (1-p)/(K-1); K=1 forces 1
     primary_weight_final: float | None = None  # if set, p ramps primary_weight -> this; None = constant
@@ -182,6 +189,9 @@ class RoutingConfig:
     primary_weight_ramp_shape: RampShape = RampShape.cosine  # p schedule: linear | cosine ramp
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
+    frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
+    aux_weight: float = 0.01  # learned only: weight of the load-balancing loss (layer mean); 0 = off
+    z_weight: float = 0.0  # learned only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
 
 
 @dataclass

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
+
+import numpy as np
 
 from trmoe.config.schema import (
     AttentionKind,
@@ -19,8 +22,15 @@ from trmoe.config.schema import (
     SpikePolicy,
     check_run_name,
 )
+from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.errors import UserError
-from trmoe.model.routing import MAX_EXPERTS, MAX_HASH_COUNT
+from trmoe.model.routing import (
+    MAX_EXPERTS,
+    MAX_HASH_COUNT,
+    MAX_TUPLES,
+    REGISTRY,
+    tuple_count,
+)
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -144,6 +154,7 @@ def validate(cfg: Config) -> None:
         _fail("routing.primary_weight", r.primary_weight, "must be in [0, 1]")
     if not 1 <= r.hash_count <= MAX_HASH_COUNT:
         _fail("routing.hash_count", r.hash_count, f"must be between 1 and {MAX_HASH_COUNT}")
+    _validate_strategy(cfg)
 
     _positive(t, "trainer", "steps", "micro_batch", "seq_len", "grad_accum", "log_every", "eval_batches")
     if t.seq_len > m.max_seq_len:
@@ -260,6 +271,64 @@ def _validate_reliability(cfg: Config) -> None:
                 "rollback",
                 "reloads the last periodic checkpoint: set checkpoint.every_steps > 0",
             )
+
+
+def frequencies_path(cfg: Config) -> Path | None:
+    """The token-frequency table a frequency strategy reads: routing.frequencies, else data.path's
+    token_counts.npy (data=tokens); None when neither names one."""
+    r, d = cfg.routing, cfg.data
+    if r.frequencies:
+        path = Path(r.frequencies).expanduser().absolute()
+        return path / TOKEN_COUNTS_NAME if path.is_dir() else path
+    if d.source == DataSource.tokens and d.path:
+        base = Path(d.path).expanduser().absolute()
+        return (base if base.is_dir() else base.parent) / TOKEN_COUNTS_NAME
+    return None
+
+
+def _validate_strategy(cfg: Config) -> None:
+    """What a routing strategy needs (trmoe/model/routing.py REGISTRY)."""
+    m, r = cfg.model, cfg.routing
+    name = r.strategy.value
+    entry = REGISTRY[name]
+    for key in ("aux_weight", "z_weight"):
+        if getattr(r, key) < 0:
+            _fail(f"routing.{key}", getattr(r, key), "must be >= 0 (0 = off)")
+    if entry.learned and (m.routed_width == 0 or m.num_experts < 2):
+        _fail(
+            "routing.strategy",
+            name,
+            "a learned router needs model.num_experts >= 2 and model.routed_width > 0",
+        )
+    if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
+        _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
+    if r.frequencies and not entry.needs_frequencies:
+        _fail(
+            "routing.frequencies",
+            r.frequencies,
+            f"only read by frequency_balanced_secondary (strategy: {name})",
+        )
+    if not entry.needs_frequencies:
+        return
+    path = frequencies_path(cfg)
+    if path is None or not path.is_file():
+        where = "not found: " + str(path) if path else "none given"
+        _fail(
+            "routing.frequencies",
+            r.frequencies,
+            f"{name} needs the token counts of the training split ({where}): python -m trmoe.data.prepare "
+            f"writes {TOKEN_COUNTS_NAME} by the shards (data=tokens finds it), or set routing.frequencies",
+        )
+    try:
+        counts = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        _fail("routing.frequencies", str(path), f"not a .npy token-count array ({exc})")
+    if counts.shape != (m.vocab_size,) or counts.dtype.kind not in "iu":
+        _fail(
+            "routing.frequencies",
+            str(path),
+            f"holds {counts.dtype} {counts.shape}; expected integer counts of shape ({m.vocab_size},)",
+        )
 
 
 def _fraction(value: float, key: str) -> None:

@@ -1,9 +1,9 @@
 """The fixed evaluation streams and the byte counts that turn a loss into bits per byte.
 
-Four figures, kept apart (docs/data.md): `train_loss` on each step's own batch; `eval_train_loss` on a fixed
-stream of the training split (repeatable, not held out); `eval_loss` on fixed held-out batches; `eval_bpb`
-= the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes of the text those tokens encode,
-which compares across tokenizers.
+Four figures, kept apart (docs/data.md): `train_loss` on the training batches of the logging window;
+`eval_train_loss` on a fixed stream of the training split (repeatable, not held out); `eval_loss` on fixed
+held-out batches; `eval_bpb` = the held-out loss summed over the scored tokens / ln 2 / the UTF-8 bytes
+of the text those tokens encode, which compares across tokenizers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from trmoe.data.tokenizer import load_o200k
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 STREAMS = {
-    "train_loss": "the step's own training batch (samples of the training order read by that step)",
+    "train_loss": (
+        "the training batches of the logging window (every step since the previous row): mean pure "
+        "cross-entropy over their tokens, not the logged step's own batch unless trainer.log_every=1"
+    ),
     "eval_train_loss": "{train_fixed}",
     "eval_loss": "{held_out}",
     "eval_bpb": "{held_out}; summed cross-entropy / ln 2 / UTF-8 bytes of the scored target tokens",

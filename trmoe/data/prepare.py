@@ -35,7 +35,7 @@ from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.identity import file_sha256
-from trmoe.data.shards import INDEX_NAME, PARTITIONS, ShardWriter, read_index, verify_shard
+from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
 from trmoe.errors import UserError, require_directory
 
@@ -309,6 +309,17 @@ def _check_out(out: Path) -> None:
             )
 
 
+def write_token_counts(out: Path, counts: np.ndarray) -> None:
+    """<out>/token_counts.npy: int64 [vocab], how often each token id occurs in the training split (written
+    through a temporary file: a partial table is never read as a whole one)."""
+    tmp = out / (TOKEN_COUNTS_NAME + ".partial")
+    with open(tmp, "wb") as f:
+        np.save(f, counts.astype(np.int64), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / TOKEN_COUNTS_NAME)
+
+
 def prepare(
     input_spec: str,
     out: str | Path,
@@ -359,6 +370,7 @@ def prepare(
     bar = Progress(progress, int(offsets[-1]))
     start = time.perf_counter()
     pool, documents = None, 0
+    counts = np.zeros(enc.n_vocab, dtype=np.int64)  # the training split's token frequencies, exact
     try:
         for p in PARTITIONS:  # in the try: a directory that cannot be made leaves no other partial file
             try:
@@ -376,6 +388,7 @@ def prepare(
         ):
             held_out = np.repeat(is_eval, lengths)
             writers["train"].append(ids[~held_out], int((~is_eval).sum()), int(text_bytes[~is_eval].sum()))
+            counts += np.bincount(ids[~held_out], minlength=enc.n_vocab)
             writers["eval"].append(ids[held_out], int(is_eval.sum()), int(text_bytes[is_eval].sum()))
             documents = writers["train"].documents + writers["eval"].documents
             tokens = writers["train"].num_tokens + writers["eval"].num_tokens
@@ -404,6 +417,7 @@ def prepare(
         if pool is not None:
             pool.terminate()
     indexes = {p: writer.close() for p, writer in writers.items()}
+    write_token_counts(out, counts)
     elapsed = time.perf_counter() - start
     summary = {
         "format": "trmoe-dataset",
@@ -415,6 +429,8 @@ def prepare(
             p: {k: idx[k] for k in ("num_tokens", "documents", "text_bytes", "sha256", "dtype")} | {"path": p}
             for p, idx in indexes.items()
         },
+        # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
+        "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
     }
     tmp = out / (DATASET_FILE + ".partial")
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -21,6 +21,9 @@ import numpy as np
 
 from trmoe.errors import UserError
 
+# the training split's token frequencies, by the dataset's train/ and eval/ (trmoe.data.prepare writes it)
+TOKEN_COUNTS_NAME = "token_counts.npy"
+
 FORMAT = "trmoe-token-shard"
 VERSION = 1
 LEGACY_FORMAT = "complexity-token-shard-v1"  # the previous runner's index over the same tokens.bin layout

@@ -19,6 +19,9 @@ device: no host sync), in one of two ways, fixed per layer by its route table:
   - by expert otherwise: the (token, route) pairs are sorted by expert, K x N rows; the route weight and
     gate x scale multiply the narrow [rows, W] activation, and one index_add sums each token's K rows.
 Either way the routed rows are summed straight into the shared expert's output.
+
+routing.strategy=learned (the control): r_k and w_k come from a learned linear router instead of the table
+and p (TRMoEFFN._route); its rows go by expert.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trmoe.model.routing import build_route_table, tuple_grouping
+from trmoe.model.routing import REGISTRY, build_route_table, load_token_counts, tuple_grouping
+from trmoe.model.spec import ModelSpec
 
 
 class _SiluMul(torch.autograd.Function):
@@ -153,37 +157,43 @@ class SharedExpert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked tensors, plus this layer's route table [K, vocab]."""
+    """E SwiGLU experts stored as stacked tensors, plus this layer's route table [K, vocab] (none for a
+    learned router: its routes come with each forward)."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        routed_width: int,
-        num_experts: int,
-        top_k: int,
-        primary_weight: float,
-        vocab_size: int,
-        layer: int,
-        strategy: str,
-        seed: int,
-        hash_count: int,
-    ):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
+        num_experts, top_k = spec.num_experts, spec.top_k
         self.num_experts, self.top_k = num_experts, top_k
         # The K route weights live in a small buffer (not saved: p is config or a pure function of the
         # step), so a p schedule changes no graph and costs no host-to-device copy per forward.
-        self.register_buffer("route_w", torch.tensor(route_weights(top_k, primary_weight)), persistent=False)
-        self._primary_weight = float(primary_weight)
-        width = routed_width // num_experts
-        self.w_in = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * width))
-        self.w_out = nn.Parameter(torch.empty(num_experts, width, hidden_size))
+        self.register_buffer(
+            "route_w", torch.tensor(route_weights(top_k, spec.primary_weight)), persistent=False
+        )
+        self._primary_weight = float(spec.primary_weight)
+        width = spec.routed_width // num_experts
+        self.w_in = nn.Parameter(torch.empty(num_experts, spec.hidden_size, 2 * width))
+        self.w_out = nn.Parameter(torch.empty(num_experts, width, spec.hidden_size))
+        self._last_routes: torch.Tensor | None = None  # a learned router's routes of the last forward
         # A persistent buffer: saved in every checkpoint, identical on every rank, never trained.
-        if self.w_in.device.type == "meta":
-            table = torch.empty(top_k, vocab_size, dtype=torch.uint8, device="meta")
+        if REGISTRY[spec.strategy].learned:
+            table = None
+        elif self.w_in.device.type == "meta":
+            table = torch.empty(top_k, spec.vocab_size, dtype=torch.uint8, device="meta")
         else:
-            table = build_route_table(strategy, vocab_size, num_experts, top_k, layer, seed, hash_count)
+            freq = load_token_counts(spec.route_frequencies) if spec.route_frequencies else None
+            table = build_route_table(
+                spec.strategy,
+                spec.vocab_size,
+                num_experts,
+                top_k,
+                layer,
+                spec.route_seed,
+                spec.hash_count,
+                freq,
+            )
         self.register_buffer("route_table", table)
-        self.register_buffer("expert_ids", torch.arange(num_experts, dtype=table.dtype), persistent=False)
+        ids_dtype = table.dtype if table is not None else torch.int64
+        self.register_buffer("expert_ids", torch.arange(num_experts, dtype=ids_dtype), persistent=False)
         self._index_tuples()
         # a loaded route table replaces the built one: derive the tuples from it
         self.register_load_state_dict_post_hook(lambda module, _keys: module._index_tuples())
@@ -200,7 +210,7 @@ class RoutedExperts(nn.Module):
         `route_tuples` [C, K], `tuple_of` [vocab] and `tuple_ids` [C], non-persistent buffers derived
         from route_table (None when grouping by expert)."""
         grouping = None
-        if self.route_table.device.type != "meta":
+        if self.route_table is not None and self.route_table.device.type != "meta":
             grouping = tuple_grouping(self.route_table.cpu(), self.num_experts)
         tuples, tuple_of, ids = None, None, None
         if grouping is not None:
@@ -210,6 +220,13 @@ class RoutedExperts(nn.Module):
         self.register_buffer("route_tuples", tuples, persistent=False)
         self.register_buffer("tuple_of", tuple_of, persistent=False)
         self.register_buffer("tuple_ids", ids, persistent=False)
+
+    def routes(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[K*N] expert ids the last forward over `token_ids` [N] used (route-major): the table's, or those a
+        learned router chose in that forward."""
+        if self.route_table is None:
+            return self._last_routes.reshape(-1)
+        return self.route_table[:, token_ids.reshape(-1)].reshape(-1)
 
     @property
     def primary_weight(self) -> float:
@@ -235,9 +252,14 @@ class RoutedExperts(nn.Module):
         token_ids: torch.Tensor,
         scale: torch.Tensor | float = 1.0,
         into: torch.Tensor | None = None,
+        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [N, H], token_ids [N] -> scale * sum_k w_k E_{r_k}(x), [N, H]; added in place into `into` [N, H]
-        and returned as it when given (the shared branch's output: no separate sum to allocate and add)."""
+        and returned as it when given (the shared branch's output: no separate sum to allocate and add).
+        `routing` = (experts [K, N], weights [K, N]) of a learned router replaces the table and p."""
+        if routing is not None:
+            self._last_routes = routing[0].detach()
+            return self._by_expert(x, token_ids, scale, into, routing)
         if self.num_experts == 1:  # dense control: every token to the single expert, weight 1
             out = swiglu(x, self.w_in[0], _scaled(self.w_out[0], scale))
             return out if into is None else into.add_(out)
@@ -252,10 +274,12 @@ class RoutedExperts(nn.Module):
         token_ids: torch.Tensor,
         scale: torch.Tensor | float,
         into: torch.Tensor | None,
+        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One row per (token, route), sorted by expert; index_add sums each token's K rows."""
         n = x.shape[0]
-        experts = self.route_table[:, token_ids].reshape(-1)  # [K*N], index = route * N + token
+        table = self.route_table[:, token_ids] if routing is None else routing[0]
+        experts = table.reshape(-1)  # [K*N], index = route * N + token
         grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
         # group boundaries found on the device (bincount would read its size on the host: a sync)
         ends = torch.searchsorted(grouped, self.expert_ids, right=True, out_int32=True)
@@ -263,7 +287,11 @@ class RoutedExperts(nn.Module):
         xs = x.index_select(0, token_of)
         # each row's route weight, times the branch factor afterwards: indexing a learnable 0-dim gate
         # directly would make its gradient a K*N-way scatter into one element (slow on GPUs)
-        row_scale = self.route_w[order // n].unsqueeze(1).to(x.dtype) * scale  # [K*N, 1]
+        if routing is None:
+            row_w = self.route_w[order // n]
+        else:  # the learned weights, each row its own (token, route)'s
+            row_w = routing[1].reshape(-1).index_select(0, order)
+        row_scale = row_w.unsqueeze(1).to(x.dtype) * scale  # [K*N, 1]
         out = grouped_mm(silu_mul(grouped_mm(xs, self.w_in, ends)) * row_scale, self.w_out, ends)
         combined = out.new_zeros(n, out.shape[1]) if into is None else into
         return combined.index_add_(0, token_of, out.to(combined.dtype))
@@ -296,47 +324,28 @@ class RoutedExperts(nn.Module):
 
 
 class TRMoEFFN(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        shared_width: int,
-        routed_width: int,
-        num_experts: int,
-        top_k: int,
-        primary_weight: float,
-        gates: bool,
-        shared_gate_init: float,
-        routed_gate_init: float,
-        shared_scale: float,
-        routed_scale: float,
-        vocab_size: int,
-        layer: int,
-        strategy: str,
-        seed: int,
-        hash_count: int,
-    ):
+    """The FFN of one layer, built from the model spec (see the module docstring for its formula). With
+    routing.strategy=learned a linear router replaces the route table and p:
+
+        P = softmax(x W_r^T)  (at least fp32),   r_k = the K largest of P,   w_k = P_{r_k} / sum_j P_{r_j}
+
+    and each forward leaves its two router loss terms (see `router_losses`) for the objective."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
-        self.shared = SharedExpert(hidden_size, shared_width) if shared_width > 0 else None
-        self.routed = None
-        if routed_width > 0:
-            self.routed = RoutedExperts(
-                hidden_size,
-                routed_width,
-                num_experts,
-                top_k,
-                primary_weight,
-                vocab_size,
-                layer,
-                strategy,
-                seed,
-                hash_count,
-            )
+        self.shared = SharedExpert(spec.hidden_size, spec.shared_width) if spec.shared_width > 0 else None
+        self.routed = RoutedExperts(spec, layer) if spec.routed_width > 0 else None
+        learned = REGISTRY[spec.strategy].learned and self.routed is not None
+        # [E, H]: in the base parameter group (it is not an expert), as the reference's router.weight
+        self.router = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size)) if learned else None
+        self.router_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (aux, z) of the last forward
         # the gates weigh the two branches against each other: with one branch there is nothing to weigh (a
         # lone gate would only rescale what the branch's output weight already can; the reference has none)
-        gated = gates and self.shared is not None and self.routed is not None
-        self.shared_gate = nn.Parameter(torch.tensor(float(shared_gate_init))) if gated else None
-        self.routed_gate = nn.Parameter(torch.tensor(float(routed_gate_init))) if gated else None
-        self.shared_scale, self.routed_scale = shared_scale, routed_scale  # fixed, not trained
+        gated = spec.gates and self.shared is not None and self.routed is not None
+        self.shared_gate = nn.Parameter(torch.tensor(float(spec.shared_gate_init))) if gated else None
+        self.routed_gate = nn.Parameter(torch.tensor(float(spec.routed_gate_init))) if gated else None
+        # fixed, not trained
+        self.shared_scale, self.routed_scale = spec.shared_scales[layer], spec.routed_scales[layer]
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -346,10 +355,34 @@ class TRMoEFFN(nn.Module):
         if self.shared is not None:
             y = self.shared(x, _factor(self.shared_scale, self.shared_gate))
         if self.routed is not None:
+            routing = self._route(x) if self.router is not None else None
             # the routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of
             # their own, no extra add: ~2% of a panel-A FFN on CPU)
-            y = self.routed(x, token_ids, _factor(self.routed_scale, self.routed_gate), into=y)
+            y = self.routed(
+                x, token_ids, _factor(self.routed_scale, self.routed_gate), into=y, routing=routing
+            )
         return y.reshape(shape)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned router: (experts [K, N], weights [K, N]); records this forward's loss terms
+
+            aux = E * sum_e f_e * mean_n P_e,   f_e = (top-K slots given to e) / (N K), detached
+            z   = mean_n logsumexp(logits_n)^2
+
+        over this micro-batch (the reference's Switch/GShard form; a uniform router gives aux = 1)."""
+        experts, top_k = self.router.shape[0], self.routed.top_k
+        logits = x @ self.router.t().to(x.dtype)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 autocast)
+        probs = logits.softmax(dim=-1)  # [N, E]
+        top_p, top_e = probs.topk(top_k, dim=-1)
+        weights = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(1e-9)
+        slots = torch.zeros(experts, dtype=probs.dtype, device=probs.device)
+        slots.scatter_add_(0, top_e.reshape(-1), torch.ones_like(top_p).reshape(-1))
+        share = slots / top_e.numel()
+        aux = experts * (share * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        self.router_terms = (aux, z)
+        return top_e.t(), weights.t().to(x.dtype)
 
 
 def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:

@@ -32,6 +32,14 @@ Strategies:
   the routes are the K experts of largest score, in descending order, ties to the lower expert id.
   Balance is statistical only.
 
+The old runner's constructions, each split into its draws and a pure construction from them (so the tests
+can feed the runner's torch draws and compare with its tables): ``random_shared`` (one draw shared by every
+layer, labels per layer), ``balanced_hash_all_tuples`` (all E!/(E-K)! ordered tuples dealt over a random
+order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (a modulo primary and
+secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
+router is in trmoe/model/moe.py). ``REGISTRY`` is the one list of strategies: the config schema, its
+validation and docs/routing.md read it.
+
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
 slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
 ``modulo_cyclic`` and ``balanced_hash`` are within ``1 +- 1e-4`` (exact up to one token);
@@ -41,13 +49,20 @@ slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from trmoe.data.shards import TOKEN_COUNTS_NAME
+
 __all__ = [
+    "ALL_STRATEGIES",
+    "REGISTRY",
     "STRATEGIES",
     "balance_stats",
     "build_route_table",
@@ -55,8 +70,6 @@ __all__ = [
     "mix32",
     "route_counts",
 ]
-
-STRATEGIES: tuple[str, ...] = ("modulo_cyclic", "random", "balanced_hash", "affine_hash", "multi_hash")
 
 MAX_EXPERTS = 32768  # expert ids must fit the int16 table dtype
 MAX_HASH_COUNT = 8
@@ -67,6 +80,7 @@ _C2 = 0x846CA68B
 _GOLDEN = 0x9E3779B1
 _STRIDE_SALT = 0x85EBCA77
 _EXPERT_SALT = 0xC2B2AE3D
+_SHARED_SALT = 0xA61A710  # random_shared: the salt of its one layer-independent draw
 # Elements of a [rows, E] work matrix processed at once (cache-sized; results never depend on it).
 _CHUNK_ELEMENTS = 1 << 16
 # Up to this K, the K smallest keys are found by repeated argmin instead of a partition.
@@ -131,8 +145,8 @@ def _validate(
     strategy: Any, vocab_size: Any, num_experts: Any, top_k: Any, layer: Any, seed: Any, hash_count: Any
 ) -> tuple[str, int, int, int, int, int, int]:
     name = getattr(strategy, "value", strategy)  # accept a str Enum such as RoutingStrategy
-    if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"unknown routing strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ValueError(f"unknown routing strategy {strategy!r}; allowed: {', '.join(REGISTRY)}")
     v = _check_int("vocab_size", vocab_size)
     e = _check_int("num_experts", num_experts)
     k = _check_int("top_k", top_k)
@@ -239,6 +253,241 @@ def _multi_hash(vocab: int, experts: int, top_k: int, salt: int, hash_count: int
     return out
 
 
+# ------------------------------------------------------------------ the old runner's constructions (2.x)
+# Each is split into a draw (trmoe's seeded PCG64, or any other source: the tests feed the old runner's
+# torch draws to check the construction against its tables) and a pure construction from the draws.
+
+
+def greedy_order(weights: np.ndarray) -> np.ndarray:
+    """Token ids by weight, largest first, ties in the order of torch's default (unstable) CPU sort: the
+    order the old runner's greedy constructions visit tokens in (it is also libstdc++ std::sort's; with all
+    weights equal it is not 0, 1, 2, ... and that order is what spreads the count-balanced secondary over
+    all E(E-1) pairs)."""
+    w = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float64))
+    return torch.argsort(w, descending=True).numpy()
+
+
+def greedy_routes(
+    primary: np.ndarray, experts: int, top_k: int, order: np.ndarray, weights: np.ndarray | None
+) -> np.ndarray:
+    """Routes 1..K-1 chosen greedily to balance load: loads start at 0 for every slot; each token in `order`
+    takes, among the experts it does not use yet, the one of least load (ties: the lowest expert id), and
+    adds its weight (1 without `weights`) to that load. Returns the [K, V] table with `primary` as row 0."""
+    vocab = primary.shape[0]
+    table = np.empty((top_k, vocab), dtype=np.int64)
+    table[0] = primary
+    w = [1] * vocab if weights is None else [int(x) for x in np.maximum(weights, 0)]
+    rows = [table[k].tolist() for k in range(top_k)]
+    for k in range(1, top_k):
+        load = [0] * experts
+        out = rows[k]
+        earlier = rows[:k]
+        for t in order.tolist():
+            used = [r[t] for r in earlier]
+            best, best_load = -1, None
+            for e in range(experts):
+                if e not in used and (best_load is None or load[e] < best_load):
+                    best, best_load = e, load[e]
+            out[t] = best
+            load[best] += w[t]
+        table[k] = out
+    return table
+
+
+def nth_unused(used: list[np.ndarray], choice: np.ndarray) -> np.ndarray:
+    """The choice-th expert (from 0, by increasing id) among those not in `used` (per token)."""
+    out = choice.astype(np.int64).copy()
+    for u in np.sort(np.stack(used), axis=0):  # ascending: each used id at or below the pick shifts it up
+        out += out >= u
+    return out
+
+
+def random_shared_routes(draws: np.ndarray, choices: list[np.ndarray], labels: np.ndarray) -> np.ndarray:
+    """The old runner's `random`: r_0 = labels[draws]; r_k = the choices[k-1]-th unused expert. The draws
+    are shared by every layer, the labels drawn per layer."""
+    rows = [labels[draws]]
+    for c in choices:
+        rows.append(nth_unused(rows, c))
+    return np.stack(rows)
+
+
+def all_tuples(experts: int, top_k: int) -> np.ndarray:
+    """Every ordered K-tuple of distinct experts, lexicographic: [E!/(E-K)!, K]."""
+    return np.array(list(itertools.permutations(range(experts), top_k)), dtype=np.int64).reshape(-1, top_k)
+
+
+def tuple_hash_routes(sigma: np.ndarray, tuple_order: np.ndarray, tuples: np.ndarray) -> np.ndarray:
+    """The token at position i of sigma gets tuples[tuple_order[i mod T]] (T tuples)."""
+    table = np.empty((tuples.shape[1], sigma.shape[0]), dtype=np.int64)
+    table[:, sigma] = tuples[tuple_order[np.arange(sigma.shape[0]) % len(tuple_order)]].T
+    return table
+
+
+def _modulo_primary(args: TableArgs) -> np.ndarray:
+    labels = _rng(args.salt).permutation(args.experts)
+    return labels[np.arange(args.vocab, dtype=np.int64) % args.experts]
+
+
+def _balanced_secondary(args: TableArgs) -> np.ndarray:
+    order = greedy_order(np.ones(args.vocab))
+    return greedy_routes(_modulo_primary(args), args.experts, args.top_k, order, None)
+
+
+def _frequency_balanced_secondary(args: TableArgs) -> np.ndarray:
+    freq = np.maximum(np.asarray(args.frequencies, dtype=np.int64), 0)
+    return greedy_routes(_modulo_primary(args), args.experts, args.top_k, greedy_order(freq), freq)
+
+
+def _random_shared(args: TableArgs) -> np.ndarray:
+    rng = _rng(mix32(mix32(args.seed) ^ _SHARED_SALT))  # no layer in it: every layer draws the same
+    draws = rng.integers(0, args.experts, args.vocab)
+    choices = [rng.integers(0, args.experts - k, args.vocab) for k in range(1, args.top_k)]
+    return random_shared_routes(draws, choices, _rng(args.salt).permutation(args.experts))
+
+
+def _balanced_hash_all_tuples(args: TableArgs) -> np.ndarray:
+    rng = _rng(args.salt)
+    sigma = rng.permutation(args.vocab)
+    tuples = all_tuples(args.experts, args.top_k)
+    return tuple_hash_routes(sigma, rng.permutation(len(tuples)), tuples)
+
+
+def tuple_count(experts: int, top_k: int) -> int:
+    """E! / (E-K)!: ordered K-tuples of distinct experts."""
+    return math.perm(experts, top_k)
+
+
+# ----------------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class TableArgs:
+    """What a construction may read (every construction reads only its own fields)."""
+
+    vocab: int
+    experts: int
+    top_k: int
+    layer: int
+    seed: int
+    salt: int
+    hash_count: int
+    frequencies: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One routing strategy: its construction (None: a learned router, no table) and what docs/routing.md
+    tabulates about it."""
+
+    build: Callable[[TableArgs], np.ndarray] | None
+    balance: str  # of token ids per expert and slot
+    layers: str  # what changes from layer to layer
+    tuples: str  # ordered (r_0, r_1) pairs used at E = 4, K = 2
+    origin: str  # the old runner's name for the same construction, or what it is new to
+    needs_frequencies: bool = False  # reads routing.frequencies (token counts of the training split)
+    nested_k: bool = True  # the K = 2 table is the first two rows of the K = 4 table
+
+    @property
+    def learned(self) -> bool:
+        return self.build is None
+
+
+REGISTRY: dict[str, Strategy] = {
+    "modulo_cyclic": Strategy(
+        lambda a: _modulo_cyclic(a.vocab, a.experts, a.top_k, a.salt),
+        "exact (differ by <= 1)",
+        "labels only (same partition)",
+        "4",
+        "`modulo_cyclic` (its own label permutation)",
+    ),
+    "random": Strategy(
+        lambda a: _random(a.vocab, a.experts, a.top_k, a.salt),
+        "statistical",
+        "partition and labels (independent draw)",
+        "12",
+        "trmoe's (the old runner's `random` is `random_shared`)",
+    ),
+    "random_shared": Strategy(
+        _random_shared,
+        "statistical",
+        "labels only: one draw shared by all layers",
+        "12",
+        "`random`",
+    ),
+    "balanced_hash": Strategy(
+        lambda a: _balanced_hash(a.vocab, a.experts, a.top_k, a.salt),
+        "exact (differ by <= 1)",
+        "partition and labels",
+        "8",
+        "the TR-Hash engine's `token_id_balanced_hash`",
+    ),
+    "balanced_hash_all_tuples": Strategy(
+        _balanced_hash_all_tuples,
+        "pairs differ by <= 1, experts by <= 2",
+        "partition and tuple order",
+        "12 (all E!/(E-K)!)",
+        "the runner's legacy `token_id_balanced_hash`",
+        nested_k=False,
+    ),
+    "balanced_secondary": Strategy(
+        _balanced_secondary,
+        "exact (differ by <= 1)",
+        "primary labels only; secondary re-balanced",
+        "12 (uneven)",
+        "`modulo_balanced_secondary`, `zipf` without a table (Panel A's best arm)",
+    ),
+    "frequency_balanced_secondary": Strategy(
+        _frequency_balanced_secondary,
+        "primary ids exact; secondary *occurrences* balanced",
+        "primary labels only; secondary re-balanced",
+        "12 (uneven)",
+        "`modulo_frequency_balanced_secondary`",
+        needs_frequencies=True,
+    ),
+    "affine_hash": Strategy(
+        lambda a: _affine_hash(a.vocab, a.experts, a.top_k, a.salt),
+        "statistical",
+        "partition and labels",
+        "8",
+        "the engine's `token_id_affine_hash`",
+    ),
+    "multi_hash": Strategy(
+        lambda a: _multi_hash(a.vocab, a.experts, a.top_k, a.salt, a.hash_count),
+        "statistical",
+        "partition and labels",
+        "12",
+        "the engine's `token_id_multi_hash`",
+    ),
+    "learned": Strategy(
+        None,
+        "by the auxiliary loss (per batch)",
+        "a router per layer, trained",
+        "input-dependent",
+        "`--mlp-type learned_router` (a linear router, softmax, top-K)",
+    ),
+}
+
+ALL_STRATEGIES: tuple[str, ...] = tuple(REGISTRY)  # every value routing.strategy takes
+# the strategies with a route table that need nothing but the sizes and the seed
+STRATEGIES: tuple[str, ...] = tuple(
+    n for n, s in REGISTRY.items() if not s.learned and not s.needs_frequencies
+)
+MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
+
+
+def strategy_table() -> str:
+    """The registry as the markdown table docs/routing.md holds (a test keeps the two equal)."""
+    rows = [
+        "| `routing.strategy` | balance of token ids per expert and slot | from layer to layer "
+        "| ordered pairs at E = 4, K = 2 | K = 2 rows of K = 4 | the old runner's name |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in REGISTRY.items():
+        nested = "n/a" if s.learned else ("yes" if s.nested_k else "no")
+        rows.append(f"| `{name}` | {s.balance} | {s.layers} | {s.tuples} | {nested} | {s.origin} |")
+    return "\n".join(rows) + "\n"
+
+
 def build_route_table(
     strategy: str,
     vocab_size: int,
@@ -247,27 +496,48 @@ def build_route_table(
     layer: int,
     seed: int = 0,
     hash_count: int = 2,
+    frequencies: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route table of one layer: ``[top_k, vocab_size]`` tensor of expert ids, ``table[k, t]`` the
     k-th expert of token id t (distinct over k); dtype torch.uint8 if num_experts <= 256 else
-    torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``.
-    Raises ValueError on an unknown strategy or out-of-range sizes."""
+    torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``,
+    ``frequencies`` (token counts, length vocab_size) only ``frequency_balanced_secondary``, which
+    needs them. Raises ValueError on an unknown strategy, a learned one, or out-of-range sizes."""
     name, vocab, experts, k, lay, sd, h = _validate(
         strategy, vocab_size, num_experts, top_k, layer, seed, hash_count
     )
-    salt = layer_salt(sd, lay)
-    if name == "modulo_cyclic":
-        table = _modulo_cyclic(vocab, experts, k, salt)
-    elif name == "random":
-        table = _random(vocab, experts, k, salt)
-    elif name == "balanced_hash":
-        table = _balanced_hash(vocab, experts, k, salt)
-    elif name == "affine_hash":
-        table = _affine_hash(vocab, experts, k, salt)
-    else:
-        table = _multi_hash(vocab, experts, k, salt, h)
+    entry = REGISTRY[name]
+    if entry.learned:
+        raise ValueError(f"routing strategy {name!r} is a learned router: it has no route table")
+    if entry.needs_frequencies:
+        if frequencies is None:
+            raise ValueError(f"routing strategy {name!r} needs a token-frequency table (routing.frequencies)")
+        frequencies = np.asarray(frequencies, dtype=np.int64)
+        if frequencies.shape != (vocab,):
+            raise ValueError(f"the token-frequency table has shape {frequencies.shape}, expected ({vocab},)")
+    if name == "balanced_hash_all_tuples" and tuple_count(experts, k) > MAX_TUPLES:
+        raise ValueError(
+            f"balanced_hash_all_tuples: E!/(E-K)! = {tuple_count(experts, k)} tuples > {MAX_TUPLES}"
+        )
+    table = entry.build(TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies))
     dtype = np.uint8 if experts <= 256 else np.int16
     return torch.from_numpy(np.ascontiguousarray(table.astype(dtype)))
+
+
+def load_token_counts(path: str) -> np.ndarray:
+    """The token-frequency table (int64 [V], how often each token id occurs in the training split) written
+    by ``python -m trmoe.data.prepare``; a directory means its token_counts.npy."""
+    from pathlib import Path
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / TOKEN_COUNTS_NAME
+    counts = np.load(file, allow_pickle=False)
+    if counts.ndim != 1 or counts.dtype.kind not in "iu":
+        raise ValueError(
+            f"{file}: a token-frequency table is a 1-D integer array, got {counts.dtype} {counts.shape}"
+        )
+    return counts.astype(np.int64)
 
 
 def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -330,6 +600,11 @@ def groups_by_tuple(
     strategy: str, vocab_size: int, num_experts: int, top_k: int, seed: int, hash_count: int
 ) -> bool:
     """`tuple_grouping` of layer 0's table is not None (the planner's question; every layer of the
-    built-in strategies has the same number of tuples at a realistic vocabulary)."""
+    built-in strategies has the same number of tuples at a realistic vocabulary). A learned router groups
+    by expert; so does the frequency-balanced secondary, whose greedy pass uses more tuples than experts
+    (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
+    entry = REGISTRY[getattr(strategy, "value", strategy)]
+    if entry.learned or entry.needs_frequencies:
+        return False
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None

@@ -19,47 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.attention import Attention, RMSNorm, rope_cache
 from trmoe.model.moe import TRMoEFFN
+from trmoe.model.spec import ModelSpec
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything the model needs, resolved from the config (trmoe.config.resolve.model_spec)."""
-
-    vocab_size: int  # token ids the route tables cover
-    embedding_rows: int  # vocab_size rounded up to model.vocab_pad_multiple
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_seq_len: int
-    qk_norm: bool
-    rope_theta: float
-    shared_width: int
-    routed_width: int
-    num_experts: int
-    top_k: int
-    primary_weight: float
-    strategy: str
-    route_seed: int
-    hash_count: int
-    gates: bool
-    shared_gate_init: float
-    routed_gate_init: float
-    shared_scales: tuple[float, ...]  # a per layer
-    routed_scales: tuple[float, ...]  # b per layer
-    init_std: float
-    norm_eps: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def expert_width(self) -> int:
-        return self.routed_width // self.num_experts if self.routed_width else 0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "head_dim": self.head_dim, "expert_width": self.expert_width}
+__all__ = ["Block", "ModelSpec", "ParamCounts", "TRMoETransformer", "count_parameters", "parameter_counts"]
 
 
 class Block(nn.Module):
@@ -70,24 +32,7 @@ class Block(nn.Module):
             spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.qk_norm, spec.norm_eps
         )
         self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.ffn = TRMoEFFN(
-            spec.hidden_size,
-            spec.shared_width,
-            spec.routed_width,
-            spec.num_experts,
-            spec.top_k,
-            spec.primary_weight,
-            spec.gates,
-            spec.shared_gate_init,
-            spec.routed_gate_init,
-            spec.shared_scales[layer],
-            spec.routed_scales[layer],
-            spec.vocab_size,
-            layer,
-            spec.strategy,
-            spec.route_seed,
-            spec.hash_count,
-        )
+        self.ffn = TRMoEFFN(spec, layer)
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         h = h + self.attn(self.attn_norm(h), cos, sin)
@@ -115,15 +60,37 @@ class TRMoETransformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """N(0, std) everywhere; projections that write into the residual stream (attention out, shared
-        down, expert down) get std / sqrt(2L) so the residual variance does not grow with depth; norms 1."""
+        """N(0, std) everywhere (the learned router too); projections that write into the residual stream
+        (attention out, shared down, expert down) get std / sqrt(2L) so the residual variance does not grow
+        with depth; norms 1. model.init=legacy_kaiming (the old runner's published 100M/300M runs) draws the
+        routed experts' gate and up halves instead from U(-b, b), b = 1/sqrt(expert width): Kaiming-uniform
+        with a = sqrt(5) and the expert width as fan-in, each element independent as in its per-expert draws
+        (std 1/sqrt(3 I_e): 0.042 at I_e = 192, twice N(0, 0.02))."""
         std = self.spec.init_std
         residual_std = std / math.sqrt(2 * self.spec.num_layers)
+        legacy = self.spec.init == "legacy_kaiming"
         for name, p in self.named_parameters():
             if p.ndim < 2:
                 continue  # norm weights (1) and gates (their init values) are set by their modules
+            if legacy and name.endswith("routed.w_in"):
+                bound = 1.0 / math.sqrt(p.shape[2] // 2)
+                nn.init.uniform_(p, -bound, bound)
+                continue
             is_residual_writer = name.endswith(("attn.out.weight", "shared.w_out", "routed.w_out"))
             nn.init.normal_(p, 0.0, residual_std if is_residual_writer else std)
+
+    def router_losses(self) -> dict[str, torch.Tensor] | None:
+        """The learned routers' loss terms of the last forward, each the mean over layers: `aux` (load
+        balancing) and `z` (router z-loss); None without a learned router. Taking them clears them."""
+        terms = []
+        for block in self.blocks:
+            if block.ffn.router_terms is not None:
+                terms.append(block.ffn.router_terms)
+                block.ffn.router_terms = None
+        if not terms:
+            return None
+        aux, z = zip(*terms, strict=True)
+        return {"aux": torch.stack(aux).mean(), "z": torch.stack(z).mean()}
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss)."""

@@ -22,7 +22,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SECTIONS = [
     ("model", schema.ModelConfig, "Model profile: dimensions of the decoder and its TR-MoE FFN."),
     ("attention", schema.AttentionConfig, "Attention type."),
-    ("routing", schema.RoutingConfig, "Route tables (see docs/routing.md)."),
+    ("routing", schema.RoutingConfig, "Route tables or a learned router (see docs/routing.md)."),
     ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
     ("data", schema.DataConfig, "Training and held-out data."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),

@@ -93,6 +93,7 @@ class TrainingControls:
         self.values: dict[str, float | None] = {}
         self._group_lrs: GroupLRs | None = None
         self._diversity: torch.Tensor | None = None  # last penalty value (device, detached)
+        self._router: torch.Tensor | None = None  # this step's [aux, z], micro-batch mean (device, detached)
         self._grad_sq: torch.Tensor | None = None
         self._telemetry_writer: TelemetryWriter | None = None
 
@@ -124,6 +125,7 @@ class TrainingControls:
     def begin_step(self, step: int, optimizer) -> float:
         """Set this step's LR, p, gates and lambda; returns the LR multiplier."""
         v = self.values = self.schedules.at(step)
+        self._router = None
         apply_lr(optimizer, v["lr_mult"])
         with torch.no_grad():
             for block in self.model.blocks:
@@ -155,6 +157,22 @@ class TrainingControls:
         self._diversity = div.detach()
         return lam * div
 
+    def with_router_loss(self, objective: torch.Tensor, micro_batches: int) -> torch.Tensor:
+        """objective + routing.aux_weight * aux + routing.z_weight * z of the learned routers' forward just
+        run (each term per micro-batch, averaged over the step's micro-batches as the cross-entropy is, so
+        accumulation and DDP over the same micro-batches agree); the objective as it is otherwise."""
+        terms = self.model.router_losses()
+        if terms is None:
+            return objective
+        pair = torch.stack([terms["aux"], terms["z"]]).detach() / micro_batches
+        self._router = pair if self._router is None else self._router + pair
+        r = self.cfg.routing
+        extra = None
+        for weight, term in ((r.aux_weight, terms["aux"]), (r.z_weight, terms["z"])):
+            if weight > 0:
+                extra = weight * term if extra is None else extra + weight * term
+        return objective if extra is None else objective + extra / micro_batches
+
     def before_clip(self, log_step: bool) -> None:
         """After backward, before clipping: the telemetry gradient norms of a logged step."""
         if self.telemetry is not None and log_step:
@@ -176,6 +194,12 @@ class TrainingControls:
         row["primary_weight"] = routed[0].primary_weight if routed and routed[0].top_k > 1 else None
         row["diversity_lambda"] = self.values.get("diversity")
         row["diversity"] = None if self._diversity is None else float(self._diversity)
+        if self._router is not None:
+            router = self._router.clone()
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(router)  # every rank logs: the mean over ranks
+                router /= torch.distributed.get_world_size()
+            row["router_aux"], row["router_z"] = router.tolist()
         if self.telemetry is not None:
             aggregate, layer_rows = self.telemetry.collect(step, self._grad_sq)
             self._grad_sq = None

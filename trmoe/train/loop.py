@@ -425,7 +425,7 @@ def _train(
                 sums = controls.loss(hidden, targets)
                 # Normalise by the tokens of the whole accumulated batch: accumulation equals one larger
                 # batch. Every rank has as many tokens, so DDP's gradient mean is the global batch's.
-                objective = sums.total / step_tokens
+                objective = controls.with_router_loss(sums.total / step_tokens, len(micro_batches))
                 penalty = controls.penalty() if last else None  # once per step
                 (objective if penalty is None else objective + penalty).backward()
             step_ce += sums.ce.to(sums_dtype)

@@ -51,6 +51,8 @@ METRIC_COLUMNS = (
     "primary_weight",  # top-k primary weight p at this step (nan when top_k = 1)
     "diversity_lambda",  # lambda of the expert-diversity penalty at this step (nan when off)
     "diversity",  # expert-diversity penalty (mean squared expert cosine) at this step (nan when off)
+    "router_aux",  # routing=learned: load-balancing loss at this step (layer mean; 1 = balanced; else nan)
+    "router_z",  # routing=learned: router z-loss at this step (layer mean; nan otherwise)
     "skipped_steps",  # steps skipped so far: non-finite loss or gradient, or a batch dropped by a rollback
     "loss_spikes",  # loss spikes detected so far (guard.spike_factor)
 )

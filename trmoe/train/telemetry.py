@@ -141,7 +141,7 @@ class MoETelemetry:
         if not self._recording:
             return
         token_ids = inputs[1]
-        routes = module.route_table[:, token_ids.reshape(-1)].reshape(-1).long()
+        routes = module.routes(token_ids).long()  # the table's, or what a learned router chose
         self.counts[layer] += torch.bincount(routes, minlength=self.num_experts).to(self.counts.dtype)
         # the routed module's output already carries the branch's gate x scale (folded into its activation)
         routed = output.detach()

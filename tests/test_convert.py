@@ -1,0 +1,206 @@
+"""python -m trmoe.convert reference: a checkpoint in the old runner's layout (the fact sheet's key names,
+shapes and config keys), built here from a trmoe model of our own, becomes a trmoe run directory whose model
+gives the same logits; settings trmoe cannot express are refused with one line naming them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import compose_config, run_cli
+
+from trmoe.config.resolve import model_spec, to_config
+from trmoe.convert import primary_weight
+from trmoe.model.transformer import TRMoETransformer
+from trmoe.train.checkpoint import load_checkpoint
+
+V, H, L, HEADS, KV, SHARED, E, IE = 1000, 64, 3, 4, 2, 96, 4, 8
+
+
+def _trmoe_model() -> TRMoETransformer:
+    """The fact sheet's conversion check (1.8): V 1,000, H 64, L 3, heads 4/2, shared 96, routed 4 x 8, K 2,
+    gates on with random values, the routed scale interpolated 1.2 -> 2.0 over depth."""
+    cfg = compose_config(
+        "model=tiny",
+        f"model.vocab_size={V}",
+        f"model.hidden_size={H}",
+        f"model.num_layers={L}",
+        f"model.num_heads={HEADS}",
+        f"model.num_kv_heads={KV}",
+        f"model.shared_width={SHARED}",
+        f"model.routed_width={E * IE}",
+        "model.routed_scale=1.2",
+        "model.routed_scale_last=2.0",
+        "routing=balanced_hash_all_tuples",
+        "routing.primary_weight=0.85",
+    )
+    torch.manual_seed(0)
+    model = TRMoETransformer(model_spec(to_config(cfg)))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim < 2:  # norms and gates: random values, not their init
+                p.copy_(torch.rand_like(p) + 0.5)
+    return model
+
+
+def _reference_checkpoint(model: TRMoETransformer, **config_changes) -> dict:
+    """The model in the old runner's layout: separate q/k/v, gate/up split, nn.Linear shared expert, int64
+    route tables with token_to_expert, persistent inv_freq; its config and args as the runner records them."""
+    spec, state = model.spec, model.state_dict()
+    d = spec.head_dim
+    ref = {"embed_tokens.weight": state["embed.weight"].clone(), "norm.weight": state["norm.weight"].clone()}
+    for layer in range(L):
+        t, r = f"blocks.{layer}.", f"layers.{layer}."
+        q, k, v = state[t + "attn.qkv.weight"].split([HEADS * d, KV * d, KV * d])
+        ref |= {
+            r + "input_layernorm.weight": state[t + "attn_norm.weight"],
+            r + "self_attn.q_proj.weight": q,
+            r + "self_attn.k_proj.weight": k,
+            r + "self_attn.v_proj.weight": v,
+            r + "self_attn.o_proj.weight": state[t + "attn.out.weight"],
+            r + "self_attn.q_norm.weight": state[t + "attn.q_norm.weight"],
+            r + "self_attn.k_norm.weight": state[t + "attn.k_norm.weight"],
+            r + "self_attn.rotary_emb.inv_freq": 1.0 / 10_000.0 ** (torch.arange(0, d, 2).float() / d),
+            r + "post_attention_layernorm.weight": state[t + "ffn_norm.weight"],
+        }
+        m = r + "mlp."
+        gate, up = state[t + "ffn.routed.w_in"].chunk(2, dim=2)
+        sg, su = state[t + "ffn.shared.w_in"].chunk(2, dim=1)
+        table = state[t + "ffn.routed.route_table"].long()
+        ref |= {
+            m + "gate_proj_w": gate.contiguous(),
+            m + "up_proj_w": up.contiguous(),
+            m + "down_proj_w": state[t + "ffn.routed.w_out"],
+            m + "shared_output_gate": state[t + "ffn.shared_gate"],
+            m + "routed_output_gate": state[t + "ffn.routed_gate"],
+            m + "token_to_expert": table[0].clone(),
+            m + "topk_token_to_expert": table,
+            m + "shared_gate.weight": sg.T.contiguous(),
+            m + "shared_up.weight": su.T.contiguous(),
+            m + "shared_down.weight": state[t + "ffn.shared.w_out"].T.contiguous(),
+        }
+    config = {
+        "hidden_size": H,
+        "num_hidden_layers": L,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "intermediate_size": E * IE,
+        "shared_intermediate_size": SHARED,
+        "num_experts": E,
+        "attention_type": "gqa",
+        "mlp_type": "token_routed",
+        "shared_expert": True,
+        "use_shared_routed_gates": True,
+        "shared_output_scale": 1.0,
+        "routed_output_scale": 1.0,
+        "routed_output_scale_first_layer": 1.2,
+        "routed_output_scale_last_layer": 2.0,
+        "top_k": 2,
+        "top_k_primary_weight": 0.5,  # the schedule's start value: not what step 3 trained with
+        "routing_strategy": "token_id_balanced_hash",
+        "token_frequencies": None,
+        "vocab_size": V,
+        "norm_eps": 1e-6,
+        "rope_theta": 10_000.0,
+        "use_qk_norm": True,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "expert_initialization": "gpt_normal",
+    } | config_changes
+    args = {"profile": "tiny", "steps": 3, "top_k_primary_weight": 0.5, "top_k_primary_weight_final": 0.85}
+    args["top_k_primary_weight_schedule_ratio"] = 0.5  # R = floor(3 * 0.5) = 1 <= 1: p = final from step 1
+    return {
+        "step": 3,
+        "model": ref,
+        "optimizer": {},
+        "scheduler": {},
+        "config": config,
+        "args": args,
+        "backend": {},
+    }
+
+
+def test_primary_weight_follows_the_runners_schedule():
+    args = {"top_k_primary_weight": 0.5, "top_k_primary_weight_final": 0.85, "steps": 100}
+    args["top_k_primary_weight_schedule_ratio"] = 0.5  # R = 50
+    assert primary_weight(args, 1, 2) == 0.5
+    assert primary_weight(args, 26, 2) == pytest.approx(0.5 + 0.35 * (0.5 - 0.5 * math.cos(math.pi * 0.5)))
+    assert primary_weight(args, 80, 2) == 0.85
+    assert primary_weight({**args, "steps": 3}, 1, 2) == 0.85  # R = 1: the final value outright
+    assert primary_weight(args, 80, 1) == 1.0
+
+
+def test_a_converted_reference_checkpoint_gives_the_same_logits(tmp_path):
+    model = _trmoe_model()
+    torch.save(_reference_checkpoint(model), tmp_path / "checkpoint.pt")
+    out = run_cli(
+        ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/ref"], tmp_path, module="trmoe.convert"
+    )
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "runs" / "ref"
+    record = json.loads((run_dir / "run_config.json").read_text())
+    assert record["converted_from"]["primary_weight"] == 0.85 and record["converted_from"]["step"] == 3
+    assert record["model_spec"]["strategy"] == "balanced_hash_all_tuples"
+    assert record["params"]["total"] == sum(p.numel() for p in model.parameters())
+    overrides = (run_dir / "overrides.txt").read_text().split()
+    spec = model_spec(to_config(compose_config(*overrides)))
+    assert spec == model_spec(to_config(compose_config(*record_overrides(record))))
+    converted = TRMoETransformer(spec)
+    converted.load_state_dict(load_checkpoint(run_dir)["model"])
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.logits(model(ids))
+        got = converted.logits(converted(ids))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # negative control: swapping the two route rows changes the logits
+    with torch.no_grad():
+        routed = converted.blocks[0].ffn.routed
+        routed.set_route_table(routed.route_table.flip(0))
+        assert (converted.logits(converted(ids)) - want).abs().max() > 1e-4
+
+
+def record_overrides(record: dict) -> list[str]:
+    """The config run_config.json recorded, as overrides (it must be the one overrides.txt composes)."""
+    m, r, a = record["config"]["model"], record["config"]["routing"], record["config"]["attention"]
+    keys = [
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "shared_width",
+        "routed_width",
+        "vocab_size",
+    ]
+    out = ["model=tiny", *(f"model.{k}={m[k]}" for k in keys), f"model.routed_scale={m['routed_scale']}"]
+    out += [f"model.routed_scale_last={m['routed_scale_last']}", f"routing={r['strategy']}"]
+    return out + [f"routing.primary_weight={r['primary_weight']}", f"attention={a['kind']}"]
+
+
+@pytest.mark.parametrize(
+    ("change", "setting"),
+    [
+        ({"routing_strategy": "lsh_hidden"}, "routing_strategy='lsh_hidden'"),
+        ({"mlp_type": "swiglu"}, "mlp_type='swiglu'"),
+        ({"attention_type": "tr_mha"}, "attention_type='tr_mha'"),
+        ({"use_qk_norm": False}, "use_qk_norm=False"),
+        ("pair_gates", "learn_hash_pair_gates=True"),
+    ],
+)
+def test_settings_trmoe_cannot_express_are_refused_by_name(tmp_path, change, setting):
+    model = _trmoe_model()
+    if change == "pair_gates":
+        ckpt = _reference_checkpoint(model)
+        ckpt["model"]["layers.0.mlp.hash_pair_gate_logits"] = torch.zeros(6)
+    else:
+        ckpt = _reference_checkpoint(model, **change)
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    out = run_cli(
+        ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/x"], tmp_path, module="trmoe.convert"
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and setting in lines[0] and "cannot be expressed in trmoe" in lines[0], out.stderr
+    assert not (tmp_path / "runs").exists()
