@@ -188,19 +188,28 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     assert list(tmp_path.rglob("*")) == []
 
 
-@pytest.mark.parametrize("name", ["a/../../b", "../x", "../../../escape"])
+@pytest.mark.parametrize("name", ["a/../../b", "../x", "../../../escape", ".", "./.", "a/.", "x/"])
 def test_cli_a_run_name_outside_runs_creates_no_directory(tmp_path: Path, name: str):
     """Hydra makes hydra.run.dir before the job validates run.name: a '..' must be refused before that,
-    or it leaves directories behind, even above the launch directory."""
+    or it leaves directories behind, even above the launch directory; a '.' would make runs/ itself (or
+    a parent) the run directory, next to every other run."""
     launch = tmp_path / "up" / "launch"
     launch.mkdir(parents=True)
     result = run_cli([f"run.name={name}", "trainer.steps=1"], cwd=launch, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == (
         f"trmoe: config error: run.name={name!r}: must name a directory inside runs/ "
-        "(a/b nests; no '..', not absolute)"
+        "(a/b nests; no '.' or '..' parts, no trailing '/', not absolute)"
     )
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["up", "up/launch"]
+
+
+def test_cli_a_run_name_longer_than_a_directory_name_is_one_line(tmp_path: Path):
+    result = run_cli([f"run.name=ok/{'n' * 300}", "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("trmoe: config error: run.name: the part 'nnnn")
+    assert "is 300 bytes long; allowed: at most 255 bytes per directory name" in result.stderr
+    assert list(tmp_path.rglob("*")) == []
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ so a key that is not in the schema fails at compose time, naming the key. Cross-
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -322,7 +324,7 @@ class DataConfig:
 class HardwareConfig:
     device: Device = Device.auto  # auto: cuda/rocm if available, else mps, else cpu
     precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default at process start
+    threads: int | None = None  # intra-op CPU threads, null = torch's default; > cores warned, > 16x refused
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
     reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
@@ -362,7 +364,7 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>
+    name: str | None = None  # runs/<name>/ (not --multirun); None: <model>-<attention>-<routing>-<time>-<x>
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
     overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
 
@@ -371,7 +373,7 @@ class RunConfig:
 class CheckpointConfig:
     """Checkpoints in <run dir>/checkpoints (docs/reliability.md): atomic, verified, resumable."""
 
-    every_steps: int = 500  # save every this many steps (also at the end, on SIGUSR2/SIGTERM); 0 = end only
+    every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 
@@ -439,13 +441,33 @@ GROUPS: dict[str, Any] = {
 }
 
 
+NAME_MAX = 255  # bytes in one directory name (ext4, xfs, tmpfs, NFS)
+
+
 def check_run_name(name: str | None) -> None:
     """run.name names a directory inside runs/. Checked where hydra.run.dir resolves it, before Hydra makes
-    that directory: a '..' would leave directories behind, even outside the launch directory."""
-    if name is not None and (not name.strip() or name.startswith(("/", "~")) or ".." in name.split("/")):
+    that directory: a '..' would leave directories behind, even outside the launch directory; a '.' part
+    ('.', './.', 'a/.') would make runs/ itself (or a parent run) the run directory, next to every other run;
+    a part longer than the filesystem's name limit (255 bytes) fails only when the directory is made."""
+    if name is None:
+        return
+    parts = name.split("/")
+    bad = (
+        not name.strip()
+        or name.startswith(("/", "~"))
+        or any(part in (".", "..") for part in parts)
+        or not parts[-1]  # a trailing '/' (it would name the same directory as without it)
+    )
+    if bad:
         raise UserError(
             f"config error: run.name={name!r}: must name a directory inside runs/ "
-            "(a/b nests; no '..', not absolute)"
+            "(a/b nests; no '.' or '..' parts, no trailing '/', not absolute)"
+        )
+    longest = max(parts, key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX:
+        raise UserError(
+            f"config error: run.name: the part {longest[:40]!r}... is {len(longest.encode())} bytes long; "
+            f"allowed: at most {NAME_MAX} bytes per directory name"
         )
 
 
@@ -454,10 +476,18 @@ def _run_name(name: str | None, *parts: str) -> str:
     return name if name is not None else "-".join(str(p) for p in parts)
 
 
+def _stamp(pattern: str) -> str:
+    """The launch's time in `pattern` and a random suffix: default run names and sweep directories are unique
+    by construction, not by the clock's second (two launches in one second got one directory). Cached like
+    Hydra's `now`, whose cache Hydra hands to every job of a sweep: one launch, one value."""
+    return f"{time.strftime(pattern)}-{secrets.token_hex(3)}"
+
+
 def register() -> None:
     """Register the schemas so YAML files can extend them (`defaults: [/base_<group>@_here_]`), and the
-    `trmoe.run_name` resolver used by hydra.run.dir."""
+    `trmoe.run_name` and `trmoe.stamp` resolvers used by hydra.run.dir and hydra.sweep.dir."""
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
+    OmegaConf.register_new_resolver("trmoe.stamp", _stamp, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(name="eval_tool", node=EvalToolConfig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 
@@ -54,6 +55,32 @@ def _finite(node: object, prefix: str) -> None:
             _fail(f"{prefix}{f.name}", value, "must be a finite number")
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _int64(node: object, prefix: str) -> None:
+    """Every integer of the config fits int64: a larger one (trainer.steps, model.match_params, a seed)
+    composes as a Python int and fails deep inside numpy or torch with a traceback."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _int64(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
+            _fail(f"{prefix}{f.name}", value, f"must be an integer of at most {INT64_MAX} (int64)")
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# hardware.threads above the cores only oversubscribes (warned when the run starts); far above them it is a
+# typo that would start thousands of threads
+THREADS_PER_CORE_MAX = 16
+
+
 def kv_heads(cfg: Config) -> int:
     """Key/value heads actually used: gqa takes model.num_kv_heads, mha one per query head, mqa one."""
     kind = cfg.attention.kind
@@ -86,15 +113,18 @@ def validate(cfg: Config) -> None:
         if getattr(dbg, name) < 0:
             _fail(f"debug.{name}", getattr(dbg, name), "must be 0 or more steps")
     _positive(dbg, "debug", "profile_active", "profile_rows")
+    _int64(cfg, "")
 
     _positive(m, "model", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
     _positive(m, "model", "num_experts", "vocab_pad_multiple")
     if m.vocab_size < 2:
         _fail("model.vocab_size", m.vocab_size, "must be at least 2")
     if m.hidden_size % m.num_heads:
-        divisors = [
-            h for h in range(1, m.hidden_size + 1) if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
-        ]
+        divisors = [  # listed for a plausible width only: a huge one would take forever to enumerate
+            h
+            for h in range(1, m.hidden_size + 1 if m.hidden_size <= 1 << 16 else 1)
+            if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
+        ] or "a divisor of it with an even quotient"
         _fail(
             "model.num_heads",
             m.num_heads,
@@ -200,6 +230,14 @@ def validate(cfg: Config) -> None:
 
     if hw.threads is not None and hw.threads < 1:
         _fail("hardware.threads", hw.threads, "must be a positive integer or null")
+    cores = usable_cores()
+    if hw.threads is not None and hw.threads > THREADS_PER_CORE_MAX * cores:
+        _fail(
+            "hardware.threads",
+            hw.threads,
+            f"this machine has {cores} usable cores; allowed: 1..{THREADS_PER_CORE_MAX * cores} "
+            "(at most the cores is best) or null",
+        )
     _validate_reliability(cfg)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -51,6 +53,13 @@ def encode_documents(
 
 
 def _init_worker() -> None:
+    # Ctrl-C, and a SIGTERM/SIGHUP sent to the whole process group, are the parent's to handle: it stops
+    # the pool and removes its partial files. A worker of the group would print a KeyboardInterrupt
+    # traceback, and one killed while it holds the task queue's lock deadlocks Pool.terminate(); so the
+    # workers leave the group (and ignore Ctrl-C until they have).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)
     load_o200k()
 
 

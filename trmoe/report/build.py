@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_c
 from trmoe.report.runs import Run, common_root, load_runs
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
+from trmoe.train.records import write_atomic
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
@@ -67,8 +69,10 @@ def _match_cell(run: Run) -> str:
     return f"{m.get('field')}={m.get('width')} ({residual})"
 
 
-def _status_cell(run: Run) -> str:
+def _status_cell(run: Run, summary: Summary) -> str:
     notes = list(run.unreadable)  # e.g. "run_config.json unreadable: not valid JSON"
+    notes += [f"diverged: {summary.diverged}"] * bool(summary.diverged)
+    notes += [f"records disagree: {d}" for d in summary.disagreements]
     if run.status == "failed":
         return "; ".join([f"failed: {run.error or 'no error line'}", *notes])
     if run.error:  # e.g. preempted: why it stopped
@@ -151,7 +155,7 @@ def render_markdown(rep: Report, title: str) -> str:
                     run.name,
                     arm.label,
                     str(run.seed) if run.seed is not None else "n/a",
-                    _status_cell(run),
+                    _status_cell(run, s),
                     _int(s.params_total),
                     _int(s.params_active),
                     _match_cell(run),
@@ -167,8 +171,9 @@ def render_markdown(rep: Report, title: str) -> str:
     lines += _table(header, rows)
     lines += [
         "",
-        "Losses are cross-entropy in nats per token on the fixed held-out batches (final = last "
-        f"evaluation). tok/s is the median of the logged windows after step {THROUGHPUT_WARMUP_STEPS}, "
+        "Losses are cross-entropy in nats per token on the fixed held-out batches (final = the evaluation at "
+        "the run's final step, never an earlier one). tok/s is the median of the logged windows after step "
+        f"{THROUGHPUT_WARMUP_STEPS}, "
         "evaluation rows left out. MFU needs a known peak: a bf16 GPU datasheet or `--peak-tflops`; "
         "n/a otherwise.",
     ]
@@ -211,6 +216,12 @@ def render_markdown(rep: Report, title: str) -> str:
             ["arm", "seeds", "control loss", "arm loss", "mean Δ", "95% interval", "Δ per seed", "reading"],
             prow,
         )
+        left_out = list(dict.fromkeys(e for p in rep.pairs for e in p.excluded))
+        if left_out:
+            lines += [
+                "",
+                f"Left out of the paired comparison ({len(left_out)}): " + "; ".join(left_out) + ".",
+            ]
 
     lines += _per_source_section(rep)
 
@@ -430,15 +441,35 @@ def build_report(
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # checked above; here: no permission, or a file put there since
         raise UserError(f"report: --out {folder}: cannot create the directory ({e.strerror or e})") from None
+    _check_writable(folder)
     if not make_plots:
         rep.plots_note = "Plots were not requested (--no-plots)."
     elif not plots.available():
         rep.plots_note = "No plots: matplotlib is not installed (`pip install 'trmoe[report]'`)."
-    else:
-        rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR)
     title = str(paths[0]) if len(paths) == 1 else f"{len(paths)} paths under {folder}"
-    rep.markdown = render_markdown(rep, title)
-    (folder / REPORT_MD).write_text(rep.markdown)
-    (folder / REPORT_CSV).write_text(_runs_csv(rep))
-    (folder / PAIRS_CSV).write_text(_pairs_csv(rep))
+    try:
+        if make_plots and plots.available():
+            rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR)
+        rep.markdown = render_markdown(rep, title)
+        for name, text in (
+            (REPORT_CSV, _runs_csv(rep)),
+            (PAIRS_CSV, _pairs_csv(rep)),
+            (REPORT_MD, rep.markdown),
+        ):
+            write_atomic(folder / name, text)
+    except OSError as e:  # a disk that filled meanwhile: each file is whole or as it was
+        raise UserError(f"report: cannot write the report into {folder} ({e.strerror or e})") from None
     return rep
+
+
+def _check_writable(folder: Path) -> None:
+    """Before any write: a read-only sweep directory (or a full disk) is one line naming --out, not a
+    traceback after half the plots."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".report-", suffix=".tmp") as probe:
+            probe.write(b"x")
+            probe.flush()
+    except OSError as e:
+        raise UserError(
+            f"report: cannot write into {folder} ({e.strerror or e}); use --out DIR to write it elsewhere"
+        ) from None

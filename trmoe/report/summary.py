@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from trmoe.model.flops import datasheet_peak, flops_terms
+from trmoe.report.integrity import assess, value_at
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
@@ -29,10 +30,8 @@ class Summary:
     params_active: int | None
     sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
     # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
-
-
-def _last(values: list[tuple[float, float, float]]) -> float | None:
-    return values[-1][2] if values else None
+    diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
+    disagreements: list[str] = field(default_factory=list)  # its records contradict each other
 
 
 def throughput_rows(run: Run) -> list[tuple[float, float, float]]:
@@ -76,13 +75,15 @@ def peak_flops(run: Run, override: float | None) -> float | None:
 
 def summarize(run: Run, peak_override: float | None = None) -> Summary:
     evals = run.series("eval_loss")
-    final_eval = _last(evals)
+    end = assess(run)  # the final step and its figures only (a diverged run's NaN is not skipped)
+    final_eval = end.final_eval
     best_eval = min((v for _, _, v in evals), default=None)
 
-    bpb, estimated = _last(run.series("eval_bpb")), False
+    bpb, estimated = value_at(run, end.final_step, "eval_bpb"), False
+    bpb = bpb if bpb is not None and math.isfinite(bpb) else None
     split = (run.record.get("data") or {}).get("eval")
     split = split if isinstance(split, dict) else {}  # data=random describes its eval stream in words
-    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):
+    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):  # (NaN stays)
         # nats/token -> bits/byte with the held-out split's tokens per byte (the scored batches are a prefix)
         bpb, estimated = final_eval / math.log(2) * split["tokens"] / split["bytes"], True
 
@@ -106,7 +107,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         best_eval=best_eval,
         eval_bpb=bpb,
         bpb_estimated=estimated,
-        train_loss=_last(run.series("train_loss")),
+        train_loss=value_at(run, end.final_step, "train_loss"),
         median_tok_s=median_tok_s,
         tok_s_rows=[int(s) for s, _, _ in rows],
         mfu=mfu,
@@ -114,8 +115,13 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         params_total=params.get("total"),
         params_active=params.get("active"),
         sources={
-            c.split("/", 1)[1]: (_last(run.series(c)), _last(run.series("eval_bpb/" + c.split("/", 1)[1])))
+            c.split("/", 1)[1]: (
+                value_at(run, end.final_step, c),
+                value_at(run, end.final_step, "eval_bpb/" + c.split("/", 1)[1]),
+            )
             for c in run.columns
             if c.startswith("eval_loss/")
         },
+        diverged=end.diverged,
+        disagreements=end.disagreements,
     )

@@ -43,7 +43,11 @@ from trmoe.errors import UserError
 
 log = logging.getLogger("trmoe")
 
-FORMAT_VERSION = 1
+# 2: meta.json carries `meta_crc32`, the CRC32 of its own content (a single flipped bit cannot turn the 2
+# into the 1 of the unsealed format, nor make the seal's key vanish unnoticed). 1 is still read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+SEAL = "meta_crc32"
 META = "meta.json"
 LATEST = "latest"
 TORCH_PAYLOAD = "model_optim.pt"
@@ -263,6 +267,33 @@ _META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 _OPTIONAL = ("config", "derived", "data", "metrics", "eval_loss")
 
 
+def _meta_text(record: dict[str, Any]) -> str:
+    return json.dumps(record, indent=1, sort_keys=True) + "\n"
+
+
+def seal_meta(record: dict[str, Any]) -> str:
+    """meta.json's text: `record` with the CRC32 of its canonical text (`meta_crc32`), so that every byte a
+    resume relies on is verified, the step and the other files' checksums included."""
+    record = {k: v for k, v in record.items() if k != SEAL}
+    record["format_version"] = FORMAT_VERSION
+    return _meta_text({**record, SEAL: zlib.crc32(_meta_text(record).encode())})
+
+
+def _check_seal(path: Path, meta: dict[str, Any]) -> None:
+    """The seal of a version-2 meta.json, and its step against the directory's name (`step_N`)."""
+    if meta["format_version"] >= 2:
+        content = {k: v for k, v in meta.items() if k != SEAL}
+        if SEAL not in meta or meta[SEAL] != zlib.crc32(_meta_text(content).encode()):
+            raise CheckpointError(f"{path}: {META}: CRC32 mismatch (corrupted)")
+    named = STEP_DIR.match(path.name) or REPLACED_DIR.match(path.name)
+    if named is not None:
+        name_step = int(named.group(1).removeprefix("step_"))
+        if name_step != meta["step"]:
+            raise CheckpointError(
+                f"{path}: {META} says step {meta['step']}, the directory's name {name_step}"
+            )
+
+
 def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
     for key, (valid, expected) in _META_FIELDS.items():
         if key in meta and not valid(meta[key]):
@@ -323,9 +354,12 @@ class CheckpointStore:
             meta = json.loads((path / META).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: no readable {META} ({e})") from None
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: {META} is not a trmoe checkpoint of version {FORMAT_VERSION}")
+        if not isinstance(meta, dict) or meta.get("format_version") not in READ_VERSIONS:
+            raise CheckpointError(
+                f"{path}: {META} is not a trmoe checkpoint of version {' or '.join(map(str, READ_VERSIONS))}"
+            )
         _check_meta_fields(path, meta)
+        _check_seal(path, meta)
         for name, expected in sorted(meta["files"].items()):
             file = path / name
             try:
@@ -391,7 +425,7 @@ class CheckpointStore:
                 record["files"] = files
                 record["optimizer_empty"] = empty
                 try:
-                    _write_text_durable(tmp / META, json.dumps(record, indent=1, sort_keys=True) + "\n")
+                    _write_text_durable(tmp / META, seal_meta(record))
                     fsync_dir(tmp)
                     self._move_into_place(tmp, final)
                     write_pointer(self.directory, final.name)

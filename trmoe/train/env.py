@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import platform
 import random
@@ -14,7 +15,10 @@ import numpy as np
 import torch
 
 from trmoe.config.schema import Device, HardwareConfig, Precision
+from trmoe.config.validate import usable_cores
 from trmoe.errors import UserError
+
+log = logging.getLogger("trmoe")
 
 
 def select_device(hw: HardwareConfig) -> torch.device:
@@ -65,6 +69,13 @@ def configure(hw: HardwareConfig, device: torch.device) -> None:
     """The process as the config asks, every setting set both ways: sweep jobs share one process, and a
     job must not inherit the thread count or determinism of the job before it."""
     torch.set_num_threads(hw.threads if hw.threads is not None else _STARTUP_THREADS)
+    if hw.threads is not None and hw.threads > usable_cores():
+        log.warning(
+            "hardware.threads=%d is above the %d cores this process may use: oversubscribed threads "
+            "slow every step",
+            hw.threads,
+            usable_cores(),
+        )
     if device.type == "cpu" and hw.reuse_host_memory:
         keep_freed_host_memory()
     torch.use_deterministic_algorithms(hw.deterministic, warn_only=device.type != "cpu")

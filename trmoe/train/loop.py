@@ -25,8 +25,22 @@ from trmoe.data.pipeline import (
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import distributed, env, guards, meters, parallel, records, resume, signals, status, trackers
-from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir
+from trmoe.train import (
+    distributed,
+    env,
+    guards,
+    meters,
+    parallel,
+    records,
+    resume,
+    runlock,
+    signals,
+    sizing,
+    status,
+    storage,
+    trackers,
+)
+from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir, read_pointer
 from trmoe.train.controls import TrainingControls, check_controls, is_log_step
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
@@ -125,7 +139,12 @@ def train(raw_cfg: DictConfig, run_dir: Path) -> float:
     early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
     logging.getLogger().addHandler(early)
     try:
-        return _job(raw_cfg, run_dir, early)
+        with runlock.hold(run_dir, rank=distributed.detect().rank):  # one live launch per run directory
+            return _job(raw_cfg, run_dir, early)
+    except OSError as e:  # the run directory cannot be written (full disk, read-only): one line, exit 3
+        if not storage.is_storage_error(e, run_dir):
+            raise
+        raise storage.failure(e, run_dir, read_pointer(checkpoint_dir(run_dir))) from None
     finally:
         logging.getLogger().removeHandler(early)
 
@@ -164,6 +183,13 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         data.close()
         raise
 
+    fsdp = parallel.resolve_strategy(cfg.hardware.strategy, dist_env) == "fsdp"
+    try:
+        sizing.check_fits(cfg, spec, device, world_size if fsdp else 1)  # before anything is written
+    except BaseException:
+        data.close()
+        raise
+
     # From here on the config and inputs are valid: write the run's records (rank 0; every rank has read
     # the run directory before it changes).
     distributed.barrier()
@@ -187,7 +213,8 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         raise
     except BaseException as e:  # the run dir says why it stopped (a sweep report lists it as failed)
         if rank == 0:
-            status.write_status(run_dir, status.FAILED, error=status.error_line(e))
+            with contextlib.suppress(OSError):  # not even in place: the app's one line is the record
+                status.write_status(run_dir, status.FAILED, error=status.error_line(e))
         raise
     finally:
         data.close()
@@ -325,10 +352,11 @@ def _train(
     guard = guards.StepGuard(cfg.guard)
     identity = plan.identity(raw_cfg, data.info)
     train_time, last_saved = 0.0, -1
+    save_failure = ""  # why the last save failed, for the run's one line
 
     def save(step: int) -> bool:
         """Checkpoint `step`; False (reported) if the write failed, the previous checkpoint then stays."""
-        nonlocal last_saved
+        nonlocal last_saved, save_failure
         meta = {
             "tokens": step * tokens_per_step,
             "eval_loss": eval_loss,
@@ -351,12 +379,10 @@ def _train(
             store.save(step, model=model, optimizer=optimizer, local_state=state, meta=meta)
         except OSError as e:
             good = store.newest_good()
-            log.error(
-                "checkpoint at step %d failed: %s; the newest complete checkpoint is still %s",
-                step,
-                e,
-                good.path.name if good else "none",
+            save_failure = (
+                f"{e}; the newest complete checkpoint is still {good.path.name if good else 'none'}"
             )
+            log.error("checkpoint at step %d failed: %s", step, save_failure)
             return False
         last_saved = step
         return True
@@ -525,7 +551,7 @@ def _train(
         every = cfg.checkpoint.every_steps
         if is_last or halt or (every > 0 and step % every == 0):
             if not save(step) and (is_last or halt):
-                raise RunFailed(f"step {step}: the final checkpoint could not be written (see the log above)")
+                raise RunFailed(f"step {step}: the final checkpoint could not be written: {save_failure}")
             step_start = time.perf_counter()
         if halt:
             raise RunFailed(
@@ -536,7 +562,9 @@ def _train(
         signum = stop.agreed()
         if signum is not None and not is_last:  # SIGUSR2 / SIGTERM: save here, then stop (requeue resumes)
             if last_saved != step and not save(step):
-                raise RunFailed(f"step {step}: stop signal, but the checkpoint could not be written")
+                raise RunFailed(
+                    f"step {step}: stop signal, but the checkpoint could not be written: {save_failure}"
+                )
             progress.close()
             metrics.close()
             controls.close()

@@ -63,12 +63,18 @@ RUN_FILES = ("run_config.json", "metrics.csv")
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or its previous content: a write that fails (a full disk) leaves no
+    temporary file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -102,8 +108,10 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 def attach_log_file(path: Path, early: EarlyLog | None = None) -> logging.Handler:
     """Log into `path` from now on, after what `early` kept (which stops keeping)."""
+    from trmoe.train.storage import LogFile
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = LogFile(path)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     if early is not None:
         logging.getLogger().removeHandler(early)
