@@ -396,6 +396,18 @@ class TelemetryConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    """Downstream accuracy during training: lm-evaluation-harness tasks on a fixed subset, at a cadence, as
+    metrics.csv columns acc/<task> and acc_norm/<task> (the `eval` extra; docs/after_training.md)."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names (registry or include_path); [] = off
+    every: int | None = None  # cadence in steps (and at steps 0 and last); None = trainer.eval_every
+    limit: int | None = 200  # the first this many examples of each task (a fixed subset); None = all
+    include_path: str | None = None  # folder of local task YAMLs (the harness's format)
+    batch_size: int = 8  # requests scored per forward
+
+
+@dataclass
 class EvalToolConfig:
     """`python -m trmoe.eval run=<dir> tasks=[...]`: lm-evaluation-harness on a trained run (the `eval`
     extra; docs/after_training.md). Writes <run>/eval/<step>.json."""
@@ -426,6 +438,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 

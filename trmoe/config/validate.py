@@ -25,6 +25,7 @@ from trmoe.config.schema import (
 )
 from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.errors import UserError
+from trmoe.load import O200K_VOCAB
 from trmoe.model.routing import (
     MAX_EXPERTS,
     MAX_HASH_COUNT,
@@ -239,6 +240,34 @@ def validate(cfg: Config) -> None:
             "(at most the cores is best) or null",
         )
     _validate_reliability(cfg)
+    _validate_downstream(cfg)
+
+
+def _validate_downstream(cfg: Config) -> None:
+    """downstream.*: the option values; whether lm-eval and the tasks are there is checked by
+    trmoe.train.downstream, also before anything is written."""
+    ds = cfg.downstream
+    if not ds.tasks:
+        return
+    for task in ds.tasks:
+        if not isinstance(task, str) or not task.strip() or "," in task:
+            _fail("downstream.tasks", list(ds.tasks), "allowed: lm-eval task names, e.g. [arc_easy,piqa]")
+    if len(set(ds.tasks)) != len(ds.tasks):
+        _fail("downstream.tasks", list(ds.tasks), "names a task twice; allowed: each task once")
+    if cfg.model.vocab_size != O200K_VOCAB:
+        _fail(
+            "downstream.tasks",
+            list(ds.tasks),
+            f"tasks are text: needs a model that reads o200k_base ids (model.vocab_size={O200K_VOCAB}, "
+            f"a text data source); this one has model.vocab_size={cfg.model.vocab_size}",
+        )
+    if ds.every is not None and ds.every < 0:
+        _fail("downstream.every", ds.every, "must be >= 0 (0 = at steps 0 and last only) or null")
+    if ds.limit is not None and ds.limit < 1:
+        _fail("downstream.limit", ds.limit, "must be a positive integer (first N examples) or null")
+    _positive(ds, "downstream", "batch_size")
+    if ds.include_path is not None and not os.path.isdir(ds.include_path):
+        _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
 
 
 def _validate_streamed_data(d) -> None:

@@ -31,6 +31,11 @@ SECTIONS = [
     ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
     ("run", schema.RunConfig, "Run naming and display (top level of conf/config.yaml)."),
     ("telemetry", schema.TelemetryConfig, "Expert telemetry (see docs/training.md; top level)."),
+    (
+        "downstream",
+        schema.DownstreamConfig,
+        "Downstream task accuracy during training (see docs/after_training.md; top level).",
+    ),
     ("checkpoint", schema.CheckpointConfig, "Checkpoint cadence and retention (see docs/reliability.md)."),
     ("guard", schema.GuardConfig, "Fault guards: non-finite steps, loss spikes (see docs/reliability.md)."),
     (

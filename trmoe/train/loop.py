@@ -42,6 +42,7 @@ from trmoe.train import (
 )
 from trmoe.train.checkpoint import CheckpointStore, checkpoint_dir, read_pointer
 from trmoe.train.controls import TrainingControls, check_controls, is_log_step
+from trmoe.train.downstream import Downstream
 from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.optim import build_optimizer
 from trmoe.train.profiling import StepProfiler
@@ -176,6 +177,7 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
     trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
+    downstream = Downstream(cfg)  # lm-eval and its tasks (downstream.tasks): before anything is written
     data = build_data(cfg, spec.vocab_size, device=device, world_size=world_size)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
@@ -203,7 +205,9 @@ def _job(raw_cfg: DictConfig, run_dir: Path, early: records.EarlyLog) -> float:
         log_handler = distributed.attach_rank_log(run_dir, rank, early)
     try:
         with signals.StopSignals() as stop, contextlib.ExitStack() as cleanup:
-            final = _train(cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop, cleanup)
+            final = _train(
+                cfg, raw_cfg, run_dir, device, amp_dtype, spec, data, plan, store, stop, cleanup, downstream
+            )
         if rank == 0:
             status.write_status(run_dir, status.FINISHED, final_eval_loss=final)
         return final
@@ -234,7 +238,18 @@ def _guard_verdict(guard, step: int, ce, objective, tokens: int, grad_norm) -> g
 
 
 def _train(
-    cfg: Config, raw_cfg: DictConfig, run_dir: Path, device, amp_dtype, spec, data, plan, store, stop, cleanup
+    cfg: Config,
+    raw_cfg: DictConfig,
+    run_dir: Path,
+    device,
+    amp_dtype,
+    spec,
+    data,
+    plan,
+    store,
+    stop,
+    cleanup,
+    downstream: Downstream,
 ) -> float:
     """The run itself; `cleanup` closes what must be closed however it ends (the progress display)."""
     t = cfg.trainer
@@ -255,6 +270,7 @@ def _train(
         controls.train_model = torch.compile(ddp, backend=t.compile_backend) if t.compile else ddp
     else:
         ddp = None
+    downstream.attach(model, device, amp_dtype)
 
     samples_per_step = global_batch_samples(t, world_size)
     tokens_per_step = global_batch_tokens(t, world_size)
@@ -307,7 +323,7 @@ def _train(
                 "tokens_per_step": tokens_per_step,
                 "total_tokens": tokens_per_step * t.steps,
                 "data": data.info,
-                "metrics_columns": [*records.METRIC_COLUMNS, *data.metric_columns],
+                "metrics_columns": [*records.METRIC_COLUMNS, *data.metric_columns, *downstream.names],
                 "controls": controls.record(optimizer),  # loss backend, optimizer groups, schedules, compile
                 "param_match": None if match is None else match.to_dict(),  # model.match_params: solved width
                 # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
@@ -319,7 +335,7 @@ def _train(
             run_dir / "metrics.csv",
             append=plan.mode == "resume",
             rows=plan.metrics_rows,
-            columns=(*records.METRIC_COLUMNS, *data.metric_columns),
+            columns=(*records.METRIC_COLUMNS, *data.metric_columns, *downstream.names),
         )
     else:  # ranks > 0 compute the same rows (the reductions are collective) but write nothing
         metrics = distributed.NullMetrics()
@@ -446,7 +462,7 @@ def _train(
     else:
         figures = _eval_figures(model, data, cfg, device, amp_dtype)
         eval_loss = figures["eval_loss"]
-        first_row = {"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0}
+        first_row = {"step": 0, "tokens": 0, **figures, **downstream.columns(0), "elapsed_s": 0.0}
         metrics.write(first_row)
         tracked.log(first_row)
         log.info("step 0 | eval %.4f | eval_train %.4f", eval_loss, figures["eval_train_loss"])
@@ -513,7 +529,7 @@ def _train(
         is_last = step == t.steps
         do_eval = is_last or (t.eval_every > 0 and step % t.eval_every == 0)
         halt = guard.too_many_skips
-        if do_eval or halt or step == 1 or step % t.log_every == 0:
+        if do_eval or halt or step == 1 or step % t.log_every == 0 or downstream.due(step):
             # the host sync of this window (and its one all-reduce: every rank has as many tokens)
             train_ce, train_objective = distributed.window_means(window)
             now = time.perf_counter()
@@ -537,6 +553,7 @@ def _train(
             if do_eval:
                 row.update(_eval_figures(model, data, cfg, device, amp_dtype))
                 eval_loss = row["eval_loss"]
+            row.update(downstream.columns(step))
             metrics.write(row)
             tracked.log(row)
             progress.report(row, t.steps, eta_s=(t.steps - step) * train_time / step)

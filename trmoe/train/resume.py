@@ -76,6 +76,9 @@ VOLATILE_KEYS = (
     "guard.*",
     "telemetry.*",  # observation only
     "logger.*",  # experiment trackers: observation only
+    "downstream.every",  # downstream evaluation: observation only (tasks and limit define metrics.csv's
+    "downstream.include_path",  # columns and what they mean, so they stay fixed within a run)
+    "downstream.batch_size",
     "debug.anomaly",  # checks, not math
     "debug.profile*",
     "hardware.*",  # device, threads, determinism; derived.precision is the critical value
