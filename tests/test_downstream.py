@@ -149,3 +149,39 @@ def test_bad_input_is_one_line_exit_2_nothing_written(corpus, tmp_path, extra, m
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr[-2000:]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_report_tables_the_accuracies_with_paired_intervals(corpus, tmp_path):
+    """2 arms x 2 seeds through the real --multirun; the report the sweep writes at its end."""
+    sweep = tmp_path / "sweep"
+    args = [a for a in run_args(corpus, *DOWNSTREAM) if not a.startswith(("run.name", "checkpoint."))]
+    args = [a for a in args if not a.startswith(("trainer.steps", "trainer.eval_every"))]
+    out = run_cli(
+        [
+            "--multirun",
+            "routing=modulo_cyclic,multi_hash",
+            "trainer.seed=1,2",
+            *args,
+            "trainer.steps=6",
+            "trainer.eval_every=0",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = (sweep / "report.md").read_text()
+    assert "## Downstream accuracy" in text and "Higher is better" in text
+    finals: dict[str, list[float]] = {}
+    for job in sorted(p for p in sweep.iterdir() if (p / "metrics.csv").is_file()):
+        record = json.loads((job / "run_config.json").read_text())
+        arm = record["config"]["routing"]["strategy"]
+        finals.setdefault(arm, []).append(float(metrics_rows(job)[-1][COLUMNS[0]]))
+    assert sorted(finals) == ["modulo_cyclic", "multi_hash"] and all(len(v) == 2 for v in finals.values())
+    for arm, values in finals.items():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {TASK} | acc | routing={arm} |"))
+        assert f"| 2 | {sum(values) / 2:.4f} |" in line, line
+        if arm == "multi_hash":  # against the control, seed by seed: 2 seeds give an interval
+            assert "[" in line and "]" in line, line
+    header = (sweep / "report.csv").read_text().splitlines()[0].split(",")
+    assert set(COLUMNS) <= set(header)
+    assert (sweep / "plots" / "accuracy_vs_tokens.png").is_file()

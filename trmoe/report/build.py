@@ -224,6 +224,7 @@ def render_markdown(rep: Report, title: str) -> str:
             ]
 
     lines += _per_source_section(rep)
+    lines += _accuracy_section(rep)
 
     lines += ["", "## Comparability checklist", ""]
     lines.append(
@@ -321,13 +322,76 @@ def _per_source_section(rep: Report) -> list[str]:
     )
 
 
+def accuracy_columns(rep: Report) -> list[str]:
+    """The downstream accuracy columns (acc/<task>, acc_norm/<task>) any run recorded, first-seen order."""
+    names: dict[str, None] = {}
+    for run in rep.runs:
+        names.update(dict.fromkeys(rep.summaries[run.name].accuracies))
+    return list(names)
+
+
+def _accuracy_section(rep: Report) -> list[str]:
+    """downstream.tasks: each arm's final accuracy per task and metric, and the paired Δ against the control
+    (the same seeds and Student-t interval as the loss)."""
+    columns = accuracy_columns(rep)
+    if not columns:
+        return []
+    lines = [
+        "",
+        "## Downstream accuracy",
+        "",
+        "Runs with `downstream.tasks` score lm-evaluation-harness tasks on a fixed subset during training "
+        "(`acc/<task>`, `acc_norm/<task>` in metrics.csv). **Higher is better** (unlike the losses above). "
+        "Accuracy: the mean over the arm's finished seeds of the evaluation at the final step; Δ: the arm "
+        "minus the control on the same seed, with its 95% Student-t interval (a positive Δ: more accurate "
+        "than the control).",
+        "",
+    ]
+    rows = []
+    for column in columns:
+        metric, task = column.split("/", 1)
+
+        def value(s: Summary, column: str = column) -> float | None:
+            return s.accuracies.get(column)
+
+        pairs = (
+            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, value)}
+            if rep.control
+            else {}
+        )
+        for arm in rep.arms:
+            done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
+            values = [v for v in (value(s) for s in done) if v is not None]
+            p = pairs.get(arm.label)
+            ci = p.interval if p else None
+            rows.append(
+                [
+                    task,
+                    metric,
+                    arm.label,
+                    str(len(values)),
+                    _num(sum(values) / len(values) if values else None),
+                    "control"
+                    if arm is rep.control
+                    else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}"),
+                    "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
+                    "-" if p is None else p.verdict,
+                ]
+            )
+    return lines + _table(
+        ["task", "metric", "arm", "seeds", "final accuracy", "mean Δ", "95% interval", "reading"], rows
+    )
+
+
 def _runs_csv(rep: Report) -> str:
     keys = arm_keys(rep.runs)
     buf = io.StringIO()
     writer = csv.writer(buf)
     names = source_names(rep)
     per_source = [f"{kind}/{n}" for n in names for kind in ("final_eval_loss", "eval_bpb")]
-    writer.writerow(["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source])
+    accuracies = accuracy_columns(rep)  # final acc/<task>, acc_norm/<task>
+    header = ["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source, *accuracies]
+    writer.writerow(header)
     for arm in rep.arms:
         for run in arm.runs:
             s, m = rep.summaries[run.name], run.record.get("param_match") or {}
@@ -337,6 +401,7 @@ def _runs_csv(rep: Report) -> str:
                 + [m.get("residual"), s.tokens, s.final_eval, s.best_eval, s.eval_bpb, s.bpb_estimated]
                 + [s.train_loss, s.median_tok_s, s.mfu]
                 + [v for n in names for v in s.sources.get(n, (None, None))]
+                + [s.accuracies.get(c) for c in accuracies]
             )
     return buf.getvalue()
 
@@ -449,7 +514,13 @@ def build_report(
     title = str(paths[0]) if len(paths) == 1 else f"{len(paths)} paths under {folder}"
     try:
         if make_plots and plots.available():
-            rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR)
+            accuracy_pairs = {
+                c: paired(arms, control_arm, summaries, lambda s, c=c: s.accuracies.get(c))
+                if control_arm is not None
+                else []
+                for c in accuracy_columns(rep)
+            }
+            rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR, accuracy_pairs)
         rep.markdown = render_markdown(rep, title)
         for name, text in (
             (REPORT_CSV, _runs_csv(rep)),

@@ -30,8 +30,15 @@ class Summary:
     params_active: int | None
     sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
     # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
+    accuracies: dict[str, float | None] = field(default_factory=dict)  # downstream.tasks: the final
+    # acc/<task> and acc_norm/<task> (metrics.csv columns; higher is better)
     diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
     disagreements: list[str] = field(default_factory=list)  # its records contradict each other
+
+
+def is_accuracy(column: str) -> bool:
+    """A downstream accuracy column of metrics.csv (trmoe.train.downstream): acc/<task>, acc_norm/<task>."""
+    return column.startswith(("acc/", "acc_norm/"))
 
 
 def throughput_rows(run: Run) -> list[tuple[float, float, float]]:
@@ -122,6 +129,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
             for c in run.columns
             if c.startswith("eval_loss/")
         },
+        accuracies={c: value_at(run, end.final_step, c) for c in run.columns if is_accuracy(c)},
         diverged=end.diverged,
         disagreements=end.disagreements,
     )
