@@ -185,3 +185,25 @@ def test_a_sweep_report_tables_the_accuracies_with_paired_intervals(corpus, tmp_
     header = (sweep / "report.csv").read_text().splitlines()[0].split(",")
     assert set(COLUMNS) <= set(header)
     assert (sweep / "plots" / "accuracy_vs_tokens.png").is_file()
+
+
+def test_columns_leave_every_global_generator_and_train_mode_as_they_were(with_tasks, corpus):
+    """The harness reseeds Python's, numpy's and torch's generators: the component restores them."""
+    import random
+
+    import numpy as np
+
+    from trmoe.config.resolve import to_config
+    from trmoe.load import load_model
+    from trmoe.train.downstream import Downstream
+
+    component = Downstream(to_config(compose_config(*run_args(corpus, *DOWNSTREAM))))
+    model = load_model(with_tasks).model.train()
+    component.attach(model, torch.device("cpu"), None)
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    assert component.names == COLUMNS and set(component.columns(12)) == set(COLUMNS)
+    assert model.training
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
