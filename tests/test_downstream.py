@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAINING_SENTENCES, compose_config, metrics_rows, run_cli
-from test_resume import DRIVER, TIMING_COLUMNS, assert_same_run
+from conftest import TIMING_COLUMNS, TRAINING_SENTENCES, compose_config, metrics_rows, run_cli
+from test_resume import DRIVER, assert_same_run
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
