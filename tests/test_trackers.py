@@ -159,10 +159,11 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
 
 def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     """W&B offline writes <run dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (a protobuf record log that
-    `wandb sync` uploads); offline there is no API to read the history back, so this checks the run's id
-    across attempts and that its record file holds the logged values."""
+    `wandb sync` uploads); offline there is no API to read the history back (wandb 0.31 has no Python reader
+    of it), so this checks the run's id across attempts and that the finished attempt's record file holds
+    the logged keys, per-layer telemetry included."""
     pytest.importorskip("wandb")
-    env_overrides = ["logger=wandb", "logger.wandb.project=trmoe-test"]
+    env_overrides = ["logger=wandb", "logger.wandb.project=trmoe-test", "telemetry.moe=true"]
     killed = _drive("step:6:after", tmp_path, *env_overrides)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _drive("none", tmp_path, *env_overrides)
@@ -174,6 +175,10 @@ def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     assert len(offline) == 2  # one directory per attempt, both the same W&B run id
     for attempt in offline:
         assert (attempt / f"run-{state['id']}.wandb").stat().st_size > 0
+    # the resumed attempt, which finished its W&B run (the killed one's records may be lost with its process)
+    records = (offline[-1] / f"run-{state['id']}.wandb").read_bytes()
+    for key in (b"train_loss", b"telemetry/layer_0/imbalance", b"telemetry/layer_1/share_3"):
+        assert key in records, key
 
 
 def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, monkeypatch):
