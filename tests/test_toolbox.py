@@ -11,7 +11,7 @@ import torch
 from conftest import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
-from trmoe.errors import UserError
+from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.train import status
@@ -69,6 +69,14 @@ def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread
     assert "=== restart from step 0" in (run_dir / "train.log").read_text()
     assert [r["step"] for r in _rows(run_dir)] == ["0", "1", "2"]
     assert list((run_dir / "checkpoints").rglob("*")) == []
+
+
+def test_a_guard_stop_without_checkpoints_saves_nothing_and_says_so(tmp_path, one_thread, monkeypatch):
+    real = TrainingControls.forward
+    monkeypatch.setattr(TrainingControls, "forward", lambda self, inputs: real(self, inputs) * float("nan"))
+    with pytest.raises(RunFailed, match=r"the last good state is not saved \(checkpoint.enabled=false\)"):
+        train(compose_config(*FAST_CPU, "debug=fast", "guard.max_skips=1"), tmp_path / "r")
+    assert list((tmp_path / "r" / "checkpoints").rglob("*")) == []
 
 
 def test_a_spike_rollback_without_checkpoints_is_one_line_naming_both_keys():

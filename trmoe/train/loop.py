@@ -560,14 +560,12 @@ def _train(
                 raise RunFailed(f"step {step}: the final checkpoint could not be written: {save_failure}")
             step_start = time.perf_counter()
         if halt:
+            kept = (
+                f"in checkpoint step_{step:08d}" if store.enabled else "not saved (checkpoint.enabled=false)"
+            )
             raise RunFailed(
                 f"stopped at step {step}: {guard.consecutive_skips} consecutive steps had a non-finite loss "
-                f"or gradient (guard.max_skips={cfg.guard.max_skips}); the last good state is in "
-                + (
-                    f"checkpoint step_{step:08d}"
-                    if store.enabled
-                    else "no checkpoint (checkpoint.enabled=false)"
-                )
+                f"or gradient (guard.max_skips={cfg.guard.max_skips}); the last good state is {kept}"
             )
         signum = stop.agreed()
         if signum is not None and not is_last:  # SIGUSR2 / SIGTERM: save here, then stop (requeue resumes)
