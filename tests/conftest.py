@@ -49,6 +49,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# metrics.csv columns that are measured, not computed: every bit-exactness comparison leaves them out
+TIMING_COLUMNS = ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
+
 # A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.
 TINY_RUN = [
     "data=random",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, run_cli
+from conftest import TIMING_COLUMNS, compose_config, run_cli
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.train.checkpoint import CheckpointStore, load_checkpoint, read_pointer
@@ -47,7 +47,6 @@ BASE = [
     "checkpoint.every_steps=4",
     "checkpoint.keep_last=2",
 ]
-TIMING_COLUMNS = ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")  # measured, not computed
 
 # (fault injected by tests/resume_driver.py, what the rerun must do: "restart" or the checkpoint step)
 KILLS = [

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN, compose_config, run_cli
+from conftest import TIMING_COLUMNS, TINY_RUN, compose_config, run_cli
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
@@ -151,7 +151,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
         steps = [m.step for m in history]
         assert steps == sorted(values), (key, steps)  # no step twice
         # the re-logged steps as the killed attempt logged them: a CPU rerun recomputes them bit for bit
-        timing = key in ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
+        timing = key in TIMING_COLUMNS
         for m in history:
             if not timing or m.step not in relogged:
                 assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g

@@ -73,6 +73,11 @@ def make_pool(workers: int):
         return None
     main = sys.modules.get("__main__")
     saved = {name: getattr(main, name) for name in ("__spec__", "__file__") if hasattr(main, name)}
+    # A worker is exposed to the group's Ctrl-C from its exec until _init_worker ignores it: one that gets
+    # it while importing `site` dies with a fatal error. SIGINT stays blocked while the workers start: they
+    # inherit the mask (so it waits in them until _init_worker ignores it), and this process receives its
+    # own Ctrl-C when the mask is restored.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         if main is not None:
             main.__spec__ = None
@@ -82,6 +87,7 @@ def make_pool(workers: int):
     finally:
         for name, value in saved.items():
             setattr(main, name, value)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def ordered_map(

@@ -97,7 +97,7 @@ def _study_lines(rep: Report) -> list[str]:
     for rank, run in enumerate(study.ranked(rep.runs, finals), 1):
         s = rep.summaries[run.name]
         rows.append(
-            [str(rank), run.name, _status_cell(run), _num(s.final_eval)]
+            [str(rank), run.name, _status_cell(run, s), _num(s.final_eval)]
             + [run.value_of(k) for k in study.params]
             + [_num(s.best_eval), _num(s.train_loss)]
             + ["n/a" if s.median_tok_s is None else f"{s.median_tok_s:,.0f}"]

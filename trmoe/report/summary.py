@@ -90,7 +90,8 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
     rows = throughput_rows(run)
     median_tok_s = statistics.median(v for _, _, v in rows) if rows else None
     mfu = None
-    if run.has_column("mfu"):
+    if run.has_column("mfu") and not peak_override:  # recorded against the run's own peak; an explicit
+        # peak (report --peak-tflops) re-derives it from tok/s below
         recorded = [v for s, _, v in run.series("mfu") if s in {r[0] for r in rows}]
         mfu = statistics.median(recorded) if recorded else None
     if mfu is None and median_tok_s is not None:
