@@ -11,8 +11,10 @@ import torch
 from conftest import FAST_CPU, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
+from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
+from trmoe.train import status
 from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 
@@ -52,10 +54,36 @@ def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
     assert all(0 < m < 1 for m in mfu), mfu
 
 
-def test_debug_fast_runs_two_steps_without_periodic_checkpoints(tmp_path, one_thread):
-    train(compose_config(*FAST_CPU, "debug=fast"), tmp_path / "r")
-    assert [r["step"] for r in _rows(tmp_path / "r")] == ["0", "1", "2"]
-    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step_*")) == ["step_00000002"]
+def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread):
+    run_dir = tmp_path / "r"
+    train(compose_config(*FAST_CPU, "debug=fast"), run_dir)
+    assert [r["step"] for r in _rows(run_dir)] == ["0", "1", "2"]
+    assert list((run_dir / "checkpoints").rglob("*")) == []  # (nor a directory of its own, as it happens)
+    assert status.read_status(run_dir)["status"] == status.FINISHED
+    assert (
+        "checkpoint.enabled=false: no checkpoint is written; this run cannot be resumed"
+        in (run_dir / "train.log").read_text()
+    )
+    # launched again it cannot resume: it starts over at step 0, as a run killed before a checkpoint does
+    train(compose_config(*FAST_CPU, "debug=fast"), run_dir)
+    assert "=== restart from step 0" in (run_dir / "train.log").read_text()
+    assert [r["step"] for r in _rows(run_dir)] == ["0", "1", "2"]
+    assert list((run_dir / "checkpoints").rglob("*")) == []
+
+
+def test_a_guard_stop_without_checkpoints_saves_nothing_and_says_so(tmp_path, one_thread, monkeypatch):
+    real = TrainingControls.forward
+    monkeypatch.setattr(TrainingControls, "forward", lambda self, inputs: real(self, inputs) * float("nan"))
+    with pytest.raises(RunFailed, match=r"the last good state is not saved \(checkpoint.enabled=false\)"):
+        train(compose_config(*FAST_CPU, "debug=fast", "guard.max_skips=1"), tmp_path / "r")
+    assert list((tmp_path / "r" / "checkpoints").rglob("*")) == []
+
+
+def test_a_spike_rollback_without_checkpoints_is_one_line_naming_both_keys():
+    with pytest.raises(UserError) as e:
+        to_config(compose_config(*FAST_CPU, "debug=fast", "guard.spike_policy=rollback"))
+    assert str(e.value).startswith("config error: guard.spike_policy=rollback: ")
+    assert "checkpoint.enabled=false" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_debug_overfit_drives_the_loss_of_one_batch_near_zero(tmp_path, one_thread):

@@ -1,6 +1,7 @@
-"""The `logger` group: TensorBoard and MLflow get the rows of metrics.csv, read back with each library's own
-reader, across a kill (SIGKILL from outside the code, tests/resume_driver.py) and the resume that follows:
-one tracker run, the same values, no step twice. W&B offline: its run directory and id (what can be checked
+"""The `logger` group: TensorBoard and MLflow get the rows of metrics.csv and, with telemetry.moe=true, the
+per-layer rows of telemetry.csv, read back with each library's own reader, across a kill (SIGKILL from
+outside the code, tests/resume_driver.py) and the resume that follows: one tracker run, the same values, no
+step twice. W&B offline: its run directory and id (what can be checked
 without the service)."""
 
 from __future__ import annotations
@@ -58,11 +59,30 @@ def _csv_series(run_dir: Path) -> dict[str, dict[int, float]]:
     return series
 
 
-def _tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def _telemetry_series(run_dir: Path) -> dict[str, dict[int, float]]:
+    """telemetry.csv as {telemetry/layer_<i>/<column>: {step: value}} over its finite values."""
+    with open(run_dir / "telemetry.csv") as f:
+        rows = list(csv.DictReader(f))
+    keys = [(int(r["layer"]), int(r["step"])) for r in rows]
+    assert len(keys) == len(set(keys)), keys
+    series: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, text in row.items():
+            if key not in ("step", "layer") and text and math.isfinite(float(text)):
+                series.setdefault(f"telemetry/layer_{row['layer']}/{key}", {})[int(row["step"])] = float(text)
+    return series
+
+
+def _tensorboard(log_dir: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # every event
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})  # every event
     acc.Reload()
+    return acc
+
+
+def _tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = _tensorboard(log_dir)
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
@@ -75,24 +95,41 @@ KILLS = [
 
 @pytest.mark.parametrize("fault,relogged,says", KILLS)
 def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path, fault, relogged, says):
-    killed = _drive(fault, tmp_path, "logger=[tensorboard,mlflow]")
+    chosen = ["logger=[tensorboard,mlflow]", "telemetry.moe=true"]
+    killed = _drive(fault, tmp_path, *chosen)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = _drive("none", tmp_path, "logger=[tensorboard,mlflow]")
+    resumed = _drive("none", tmp_path, *chosen)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = tmp_path / "runs" / "r"
     assert says in (run_dir / "train.log").read_text()
     expected = _csv_series(run_dir)
     assert sorted(expected["train_loss"]) == list(range(1, 9))
     assert set(expected) >= {"train_loss", "eval_loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib"}
+    layers = _telemetry_series(run_dir)  # the tiny model: 2 layers, 4 experts
+    assert sorted(layers["telemetry/layer_1/imbalance"]) == list(range(1, 9))
+    assert {f"telemetry/layer_{i}/{c}" for i in (0, 1) for c in ("share_3", "dead", "grad_norm_0")} <= set(
+        layers
+    )
 
     # TensorBoard: what the killed attempt logged past the checkpoint is purged by the reader
     tb = _tensorboard_series(run_dir / "tensorboard")
-    assert set(tb) == set(expected)
+    assert set(tb) == set(expected) | set(layers)
     for tag, points in tb.items():
         steps = [s for s, _ in points]
-        assert steps == sorted(expected[tag]), (tag, steps)
+        want = expected[tag] if tag in expected else layers[tag]
+        assert steps == sorted(want), (tag, steps)
         for step, value in points:
-            assert value == pytest.approx(expected[tag][step], rel=1e-6, abs=1e-12), (tag, step)
+            assert value == pytest.approx(want[step], rel=1e-6, abs=1e-12), (tag, step)
+    acc = _tensorboard(run_dir / "tensorboard")  # each layer's expert shares as a histogram too
+    assert {t for t in acc.Tags()["histograms"]} == {"telemetry/layer_0/shares", "telemetry/layer_1/shares"}
+    for layer in (0, 1):
+        events = acc.Histograms(f"telemetry/layer_{layer}/shares")
+        assert [e.step for e in events] == list(range(1, 9))
+        for e in events:
+            shares = [layers[f"telemetry/layer_{layer}/share_{x}"][e.step] for x in range(4)]
+            h = e.histogram_value
+            assert (h.num, h.min, h.max) == (4, pytest.approx(min(shares)), pytest.approx(max(shares)))
+            assert h.sum == pytest.approx(1.0)
 
     # MLflow's file store beside the run directory: one run (the same id after the resume), its history
     from mlflow.tracking import MlflowClient
@@ -107,7 +144,9 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
     assert run.info.run_name == "r" and run.info.status == "FINISHED"
     assert run.data.params["optimizer.lr"] == "0.003" and run.data.params["model.name"] == "tiny"
     assert run.data.tags["trmoe.run_dir"] == str(run_dir.resolve())
-    for key, values in expected.items():
+    telemetry = {k.replace("/", "."): v for k, v in layers.items()}  # telemetry.layer_<i>.<column>
+    assert set(client.get_run(run.info.run_id).data.metrics) == set(expected) | set(telemetry)
+    for key, values in (expected | telemetry).items():
         history = client.get_metric_history(run.info.run_id, key)
         steps = [m.step for m in history]
         assert steps == sorted(values), (key, steps)  # no step twice
@@ -120,10 +159,11 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
 
 def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     """W&B offline writes <run dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (a protobuf record log that
-    `wandb sync` uploads); offline there is no API to read the history back, so this checks the run's id
-    across attempts and that its record file holds the logged values."""
+    `wandb sync` uploads); offline there is no API to read the history back (wandb 0.31 has no Python reader
+    of it), so this checks the run's id across attempts and that the finished attempt's record file holds
+    the logged keys, per-layer telemetry included."""
     pytest.importorskip("wandb")
-    env_overrides = ["logger=wandb", "logger.wandb.project=trmoe-test"]
+    env_overrides = ["logger=wandb", "logger.wandb.project=trmoe-test", "telemetry.moe=true"]
     killed = _drive("step:6:after", tmp_path, *env_overrides)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _drive("none", tmp_path, *env_overrides)
@@ -135,6 +175,10 @@ def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     assert len(offline) == 2  # one directory per attempt, both the same W&B run id
     for attempt in offline:
         assert (attempt / f"run-{state['id']}.wandb").stat().st_size > 0
+    # the resumed attempt, which finished its W&B run (the killed one's records may be lost with its process)
+    records = (offline[-1] / f"run-{state['id']}.wandb").read_bytes()
+    for key in (b"train_loss", b"telemetry/layer_0/imbalance", b"telemetry/layer_1/share_3"):
+        assert key in records, key
 
 
 def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, monkeypatch):

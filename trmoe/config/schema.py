@@ -373,6 +373,7 @@ class RunConfig:
 class CheckpointConfig:
     """Checkpoints in <run dir>/checkpoints (docs/reliability.md): atomic, verified, resumable."""
 
+    enabled: bool = True  # false: no checkpoint at all, not even the final one (the run cannot be resumed)
     every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise

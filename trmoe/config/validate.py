@@ -381,6 +381,13 @@ def _validate_reliability(cfg: Config) -> None:
     if g.max_rollbacks < 0:
         _fail("guard.max_rollbacks", g.max_rollbacks, "must be >= 0")
     if g.spike_policy == SpikePolicy.rollback:
+        if not c.enabled:
+            _fail(
+                "guard.spike_policy",
+                "rollback",
+                "reloads the last checkpoint: not with checkpoint.enabled=false (set it true, or "
+                "guard.spike_policy=log)",
+            )
         if g.spike_factor == 0:
             _fail("guard.spike_policy", "rollback", "needs spike detection: guard.spike_factor > 1")
         if c.every_steps == 0:

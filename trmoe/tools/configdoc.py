@@ -42,14 +42,19 @@ SECTIONS = [
         "logger",
         None,
         "Experiment trackers beside metrics.csv (always written): `logger=tensorboard`, several at once with "
-        "`logger=[tensorboard,mlflow]`. Each logs metrics.csv's scalars, the resolved config as "
-        "hyper-parameters and the run's identity; rank 0 only; a resumed run continues the same tracker run. "
+        "`logger=[tensorboard,mlflow]`. Each logs metrics.csv's scalars, with `telemetry.moe=true` the "
+        "per-layer rows of telemetry.csv (docs/training.md), the resolved config as hyper-parameters and the "
+        "run's identity; rank 0 only; a resumed run continues the same tracker run. "
         "The trackers need the `trackers` extra (`pip install 'trmoe[trackers]'`).",
     ),
     ("logger.tensorboard", schema.TensorBoardLogger, "`logger=tensorboard`: TensorBoard event files."),
     ("logger.mlflow", schema.MLflowLogger, "`logger=mlflow`: MLflow (a local file store by default)."),
     ("logger.wandb", schema.WandbLogger, "`logger=wandb`: Weights & Biases (offline by default)."),
-    ("debug", schema.DebugConfig, "Debugging aids; the presets also set trainer keys (conf/debug/*.yaml)."),
+    (
+        "debug",
+        schema.DebugConfig,
+        "Debugging aids; the presets also set trainer and checkpoint keys (conf/debug/*.yaml).",
+    ),
     (
         "hparams_search",
         None,

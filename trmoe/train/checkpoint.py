@@ -16,6 +16,9 @@ rename) and are checkpoints beyond `keep_last` pruned, oldest first; the newest 
 checks every file against meta.json (size and CRC32) first, so a truncated or corrupted checkpoint is
 reported and the previous complete one is used instead (`newest_good`).
 
+The store owns its cadence (`due`): every `every_steps` steps and at the end; with checkpoint.enabled=false
+never, and `save` refuses: such a run cannot be resumed (a rerun starts again at step 0).
+
 Distributed (world size > 1, or checkpoint.format=dcp): every rank calls `save` and `load`; model and
 optimizer go through torch.distributed.checkpoint (each rank writes its own part), each rank writes its own
 rank_XXXXX.pt, and rank 0 alone writes meta.json, renames, updates `latest` and prunes.
@@ -308,7 +311,7 @@ class CheckpointStore:
 
     `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
     when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
-    the rename, `latest` and the pruning."""
+    the rename, `latest` and the pruning. `every_steps` and `enabled`: the save cadence (`due`)."""
 
     def __init__(
         self,
@@ -318,6 +321,8 @@ class CheckpointStore:
         format: str = "torch",
         rank: int = 0,
         world_size: int = 1,
+        every_steps: int = 0,
+        enabled: bool = True,
     ):
         if format not in ("torch", "dcp"):
             raise ValueError(f"checkpoint format must be torch or dcp, got {format!r}")
@@ -328,6 +333,13 @@ class CheckpointStore:
         self.format = format
         self.rank = rank
         self.world_size = world_size
+        self.every_steps = every_steps
+        self.enabled = enabled
+
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Whether step `step` is saved: every `every_steps` steps (0 = none) and when `final` (the last
+        step, a guard's stop, a stop signal); never when the store is disabled."""
+        return self.enabled and (final or (self.every_steps > 0 and step % self.every_steps == 0))
 
     # -------------------------------------------------------------------------------------------- listing
 
@@ -398,6 +410,8 @@ class CheckpointStore:
     ) -> Path:
         """Write checkpoint `step` (every rank calls this). Raises OSError (e.g. ENOSPC) with the previous
         checkpoints untouched and the temporary directory removed."""
+        if not self.enabled:  # validate.py refuses what would need one (guard.spike_policy=rollback)
+            raise RuntimeError(f"checkpoint {step}: checkpoints are disabled (checkpoint.enabled=false)")
         started = time.perf_counter()
         final = self.directory / step_name(step)
         tmp = self.directory / f".{step_name(step)}.tmp"

@@ -96,6 +96,7 @@ class TrainingControls:
         self._router: torch.Tensor | None = None  # this step's [aux, z], micro-batch mean (device, detached)
         self._grad_sq: torch.Tensor | None = None
         self._telemetry_writer: TelemetryWriter | None = None
+        self.layer_rows: list[dict[str, Any]] = []  # the last logged step's telemetry.csv rows (trackers)
 
     # --- once per run -------------------------------------------------------------------------------
     def attach(self, optimizer, run_dir: Path, write_files: bool = True) -> None:
@@ -206,4 +207,5 @@ class TrainingControls:
             row.update(aggregate)
             if self._telemetry_writer is not None:
                 self._telemetry_writer.write(layer_rows)
+            self.layer_rows = layer_rows
         return row

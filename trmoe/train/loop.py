@@ -130,6 +130,8 @@ def checkpoint_store(cfg: Config, run_dir: Path, rank: int = 0, world_size: int 
         format=fmt,
         rank=rank,
         world_size=world_size,
+        every_steps=cfg.checkpoint.every_steps,
+        enabled=cfg.checkpoint.enabled,
     )
 
 
@@ -303,6 +305,11 @@ def _train(
         t.steps,
         f"{tokens_per_step * t.steps:,}",
     )
+    if not store.enabled:
+        log.warning(
+            "checkpoint.enabled=false: no checkpoint is written; this run cannot be resumed (a rerun "
+            "starts again at step 0)"
+        )
     match = solve_match(cfg)
     if match is not None:
         log.info("parameter match: %s", match.describe())
@@ -555,7 +562,7 @@ def _train(
                 eval_loss = row["eval_loss"]
             row.update(downstream.columns(step))
             metrics.write(row)
-            tracked.log(row)
+            tracked.log(row, layers=controls.layer_rows)  # telemetry.csv's rows of this step too
             progress.report(row, t.steps, eta_s=(t.steps - step) * train_time / step)
             window.reset()
             step_start = time.perf_counter()  # evaluation and logging are not training time
@@ -565,28 +572,30 @@ def _train(
             train_time += now - step_start
             step_start = now
 
-        every = cfg.checkpoint.every_steps
-        if is_last or halt or (every > 0 and step % every == 0):
+        if store.due(step, final=is_last or halt):
             if not save(step) and (is_last or halt):
                 raise RunFailed(f"step {step}: the final checkpoint could not be written: {save_failure}")
             step_start = time.perf_counter()
         if halt:
+            kept = (
+                f"in checkpoint step_{step:08d}" if store.enabled else "not saved (checkpoint.enabled=false)"
+            )
             raise RunFailed(
                 f"stopped at step {step}: {guard.consecutive_skips} consecutive steps had a non-finite loss "
-                f"or gradient (guard.max_skips={cfg.guard.max_skips}); the last good state is in checkpoint "
-                f"step_{step:08d}"
+                f"or gradient (guard.max_skips={cfg.guard.max_skips}); the last good state is {kept}"
             )
         signum = stop.agreed()
         if signum is not None and not is_last:  # SIGUSR2 / SIGTERM: save here, then stop (requeue resumes)
-            if last_saved != step and not save(step):
+            if store.due(step, final=True) and last_saved != step and not save(step):
                 raise RunFailed(
                     f"step {step}: stop signal, but the checkpoint could not be written: {save_failure}"
                 )
             progress.close()
             metrics.close()
             controls.close()
-            preempted = signals.Preempted(signum, step, stop.previous(signum))
-            log.warning("%s (the requeued job resumes from it)", preempted)  # in train.log: why it ended
+            preempted = signals.Preempted(signum, step, stop.previous(signum), saved=store.enabled)
+            resumes = " (the requeued job resumes from it)" if store.enabled else ""
+            log.warning("%s%s", preempted, resumes)  # in train.log: why it ended
             raise preempted
     progress.close()
     metrics.close()

@@ -35,13 +35,18 @@ PREEMPTED = "preempted"  # status.json of a run stopped by a signal after its ch
 
 class Preempted(BaseException):  # noqa: N818 — not an error: a requested stop (BaseException like SystemExit)
     """Raised by the train loop at the step boundary after a stop signal, once the checkpoint of that step
-    is saved and the run's files are closed."""
+    is saved (unless checkpoint.enabled=false) and the run's files are closed."""
 
-    def __init__(self, signum: int, step: int, previous_handler: Any):
+    def __init__(self, signum: int, step: int, previous_handler: Any, *, saved: bool = True):
         self.signum = signum
         self.step = step
         self.previous_handler = previous_handler
-        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}; checkpoint saved")
+        how = (
+            "checkpoint saved"
+            if saved
+            else "no checkpoint (checkpoint.enabled=false): a rerun starts at step 0"
+        )
+        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}; {how}")
 
     @property
     def exit_code(self) -> int:

@@ -4,6 +4,11 @@ metrics.csv is always written and stays the source of truth; each chosen tracker
 (every finite column of each metrics row, under the column's name, at the row's step), the resolved config as
 hyper-parameters and the run's identity (run name, directory, trmoe version, config hash). Only rank 0 logs.
 
+With telemetry.moe=true each logged step's telemetry.csv rows (one per layer) go along with its metrics row:
+every finite column as a scalar named telemetry/layer_<i>/<column> (TensorBoard, W&B: their sections are
+the parts before a "/") or telemetry.layer_<i>.<column> (MLflow), and in TensorBoard each layer's expert
+shares also as a histogram, telemetry/layer_<i>/shares.
+
 A resumed run continues the same tracker run: MLflow's run id and W&B's id are kept in
 <run dir>/trackers.json, and no step is logged twice — TensorBoard purges what the killed attempt logged after
 the checkpoint (a SessionLog START at the resumed step, which TensorBoard's readers honour); MLflow and W&B,
@@ -68,16 +73,30 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {key: json.dumps(node)}
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
+def scalars(row: dict[str, Any], skip: tuple[str, ...] = ("step",)) -> dict[str, float]:
     """The finite numeric columns of a metrics row, step excluded (it is the x axis)."""
     out = {}
     for key, value in row.items():
-        if key == "step" or value is None or isinstance(value, bool):
+        if key in skip or value is None or isinstance(value, bool):
             continue
         value = float(value)
         if math.isfinite(value):
             out[key] = value
     return out
+
+
+def layer_scalars(rows: list[dict[str, Any]], sep: str) -> dict[str, float]:
+    """The per-layer telemetry rows of one step as scalars named telemetry<sep>layer_<i><sep><column>."""
+    out = {}
+    for row in rows:
+        prefix = f"telemetry{sep}layer_{row['layer']}{sep}"
+        out.update({prefix + key: v for key, v in scalars(row, skip=("step", "layer")).items()})
+    return out
+
+
+def _shares(row: dict[str, Any]) -> list[float]:
+    """A telemetry row's expert shares (share_0, share_1, ...; none for a layer without routed slots)."""
+    return [v for k, v in row.items() if k.startswith("share_") and v is not None]
 
 
 class _TensorBoard:
@@ -97,9 +116,15 @@ class _TensorBoard:
             self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in identity.items()))
         self.state: dict = {}
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
+        for key, value in (values | layer_scalars(layers, "/")).items():
             self.writer.add_scalar(key, value, step)
+        for row in layers:
+            shares = _shares(row)
+            if shares:
+                import numpy as np
+
+                self.writer.add_histogram(f"telemetry/layer_{row['layer']}/shares", np.array(shares), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -137,7 +162,7 @@ class _MLflow:
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.state = {"tracking_uri": uri, "run_id": self.run_id}
 
-    def log(self, values: dict[str, float], step: int) -> None:
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
         if step <= self.last_step:  # the killed attempt logged it already (append-only history)
             return
         import time
@@ -145,7 +170,9 @@ class _MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        metrics = [Metric(k, v, now, step) for k, v in (values | layer_scalars(layers, ".")).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit (per-layer telemetry can exceed it)
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         self.last_step = step
 
     def close(self, status: str = "FINISHED") -> None:
@@ -174,10 +201,10 @@ class _Wandb:
         self.run_dir = run_dir
         self.state = {"id": self.run.id, "last_step": self.last_step}
 
-    def log(self, values: dict[str, float], step: int) -> None:
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
         if step <= self.last_step:
             return
-        self.run.log(values, step=step)
+        self.run.log(values | layer_scalars(layers, "/"), step=step)
         self.last_step = self.state["last_step"] = step
 
     def close(self, status: str = "FINISHED") -> None:
@@ -189,7 +216,8 @@ def _tags(identity: dict) -> dict[str, str]:
 
 
 class Trackers:
-    """The chosen trackers of a run (rank 0): `log(row)` beside each metrics.csv row, `close()` at the end."""
+    """The chosen trackers of a run (rank 0): `log(row, layers)` beside each metrics.csv row (and its
+    telemetry.csv rows), `close()` at the end."""
 
     def __init__(
         self,
@@ -226,12 +254,14 @@ class Trackers:
         if state:
             write_atomic(self.run_dir / TRACKERS_FILE, json.dumps(state, indent=2))
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> None:
+        """A metrics row and the telemetry.csv rows of the same step (`layers`, telemetry.moe), at once:
+        a tracker that skips the steps it already holds skips both."""
         if not self._trackers:
             return
         values = scalars(row)
         for tracker in self._trackers.values():
-            tracker.log(values, int(row["step"]))
+            tracker.log(values, int(row["step"]), layers or [])
         if "wandb" in self._trackers:
             self._save()  # W&B's high-water mark: a resume logs only the steps after it
 
