@@ -302,7 +302,6 @@ def _per_source_section(rep: Report) -> list[str]:
             losses = [v for v in (loss(s) for s in done) if v is not None]
             bpbs = [v for v in (s.sources.get(name, (None, None))[1] for s in done) if v is not None]
             p = pairs.get(arm.label)
-            ci = p.interval if p else None
             rows.append(
                 [
                     name,
@@ -310,16 +309,19 @@ def _per_source_section(rep: Report) -> list[str]:
                     str(len(losses)),
                     _num(sum(losses) / len(losses) if losses else None),
                     _num(sum(bpbs) / len(bpbs) if bpbs else None),
-                    "control"
-                    if arm is rep.control
-                    else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}"),
-                    "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
-                    "-" if p is None else p.verdict,
+                    *_pair_cells(arm is rep.control, p),
                 ]
             )
     return lines + _table(
         ["source", "arm", "seeds", "final loss", "bpb", "mean Δ", "95% interval", "reading"], rows
     )
+
+
+def _pair_cells(is_control: bool, p: Pair | None) -> list[str]:
+    """The mean difference, its interval and its reading: the last three cells of a per-arm paired table."""
+    mean = "control" if is_control else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}")
+    ci = p.interval if p else None
+    return [mean, "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]", "-" if p is None else p.verdict]
 
 
 def accuracy_columns(rep: Report) -> list[str]:
@@ -363,7 +365,6 @@ def _accuracy_section(rep: Report) -> list[str]:
             done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
             values = [v for v in (value(s) for s in done) if v is not None]
             p = pairs.get(arm.label)
-            ci = p.interval if p else None
             rows.append(
                 [
                     task,
@@ -371,11 +372,7 @@ def _accuracy_section(rep: Report) -> list[str]:
                     arm.label,
                     str(len(values)),
                     _num(sum(values) / len(values) if values else None),
-                    "control"
-                    if arm is rep.control
-                    else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}"),
-                    "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
-                    "-" if p is None else p.verdict,
+                    *_pair_cells(arm is rep.control, p),
                 ]
             )
     return lines + _table(
