@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import re
+import types
 import typing
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " \\| ".join(m.value for m in tp)
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):  # Optional[X] and X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_name(args[0])} or null"
     return getattr(tp, "__name__", str(tp))
