@@ -25,7 +25,8 @@ PROBE_N = 512  # the probe GEMM: big enough to run near the peak of a real GEMM 
 
 def probe_peak_flops(device: torch.device, dtype: torch.dtype, n: int = PROBE_N, reps: int = 3) -> float:
     """Measured FLOP/s of an n^3 GEMM on `device` in `dtype` (median of `reps`, after one warm-up)."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    gen = torch.Generator(device=device).manual_seed(0)  # its own: the run's global RNG stays untouched
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
     times = []
     for i in range(reps + 1):
         _sync(device)
