@@ -262,12 +262,17 @@ def render_markdown(rep: Report, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def source_names(rep: Report) -> list[str]:
-    """The mixture sources any run evaluated separately, in first-seen order."""
+def _seen(rep: Report, field_name: str) -> list[str]:
+    """The keys of one Summary mapping (`field_name`) that any run recorded, in first-seen order."""
     names: dict[str, None] = {}
     for run in rep.runs:
-        names.update(dict.fromkeys(rep.summaries[run.name].sources))
+        names.update(dict.fromkeys(getattr(rep.summaries[run.name], field_name)))
     return list(names)
+
+
+def source_names(rep: Report) -> list[str]:
+    """The mixture sources any run evaluated separately, in first-seen order."""
+    return _seen(rep, "sources")
 
 
 def _per_source_section(rep: Report) -> list[str]:
@@ -326,10 +331,7 @@ def _pair_cells(is_control: bool, p: Pair | None) -> list[str]:
 
 def accuracy_columns(rep: Report) -> list[str]:
     """The downstream accuracy columns (acc/<task>, acc_norm/<task>) any run recorded, first-seen order."""
-    names: dict[str, None] = {}
-    for run in rep.runs:
-        names.update(dict.fromkeys(rep.summaries[run.name].accuracies))
-    return list(names)
+    return _seen(rep, "accuracies")
 
 
 def _accuracy_section(rep: Report) -> list[str]:
