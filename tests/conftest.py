@@ -1,4 +1,4 @@
-"""pytest fixtures; the shared helper functions and override lists are in helpers.py."""
+"""pytest fixtures and hooks; the shared helper functions and override lists are in helpers.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUME_SMALL, compose_config, train_in_process
+from helpers import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES, compose_config, train_in_process
+
+# Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
 
 
 @pytest.fixture
@@ -39,6 +43,35 @@ def small_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("small") / "r"
     train_in_process(run_dir, *RESUME_SMALL)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def text_run(tmp_path_factory) -> Path:
+    """The run directory of a tiny model (TEXT_RUN) trained on TRAINING_SENTENCES (and a held-out filler
+    document): what trmoe.sample, trmoe.export and trmoe.eval are tested on. ~10 s on one core."""
+    from trmoe.train.loop import train
+
+    root = tmp_path_factory.mktemp("text_run")
+    corpus = root / "corpus.txt"
+    docs = [" ".join(TRAINING_SENTENCES)] * 20 + ["Held out text about something else entirely."] * 3
+    corpus.write_text("\n\n".join(f"{d} ({i})" for i, d in enumerate(docs)) + "\n")
+    run_dir = root / "run"
+    threads = torch.get_num_threads()  # a session fixture: set up outside _keep_thread_count
+    try:
+        train(compose_config(*TEXT_RUN, f"data.text_path={corpus}"), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def exported(text_run, tmp_path_factory) -> Path:
+    """text_run exported as a Hugging Face directory (python -m trmoe.export's format hf)."""
+    pytest.importorskip("transformers")
+    from trmoe.export import export
+    from trmoe.load import load_model
+
+    return export(load_model(text_run), tmp_path_factory.mktemp("export") / "hf")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -38,6 +38,9 @@ FAST_CPU = [
 ]
 
 
+# metrics.csv columns that are measured, not computed: every bit-exactness comparison leaves them out
+TIMING_COLUMNS = ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
+
 # A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.
 TINY_RUN = [
     "data=random",
@@ -49,6 +52,32 @@ TINY_RUN = [
     "trainer.eval_batches=1",
     "run.progress=log",
     "trainer.log_every=10",
+]
+
+
+# A tiny model (o200k vocabulary) trained to memorise a few sentences: conftest's text_run fixture, which
+# trmoe.sample, trmoe.export and trmoe.eval are tested on.
+TRAINING_SENTENCES = [
+    "The cat sat on the mat and looked at the red ball.",
+    "A quick brown fox jumps over the lazy dog every morning.",
+    "Water boils at one hundred degrees at sea level.",
+    "The sun rises in the east and sets in the west.",
+]
+TEXT_RUN = [
+    "model=tiny",
+    "data=text",
+    "data.eval_fraction=0.2",
+    "hardware=cpu",
+    "hardware.threads=1",
+    "run.progress=log",
+    "trainer.seq_len=32",
+    "trainer.micro_batch=4",
+    "trainer.steps=60",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.log_every=20",
+    "optimizer.lr=1e-2",
+    "optimizer.warmup_steps=5",
 ]
 
 
@@ -175,7 +204,6 @@ RESUME_BASE = [
     "checkpoint.every_steps=4",
     "checkpoint.keep_last=2",
 ]
-TIMING_COLUMNS = ("tok_s", "elapsed_s")
 
 RESUME_SMALL = ["trainer.steps=4", "checkpoint.every_steps=2", "trainer.log_every=1", "trainer.eval_every=2"]
 

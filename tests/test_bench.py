@@ -239,3 +239,22 @@ def test_data_times_reads_prepare_and_the_stream(tmp_path, monkeypatch):
     assert prepared["tokens"] > 0 and set(prepared["pool_start_s"]) == {"1"}
     for r in prepared["prepare"].values():  # each rate is the tokens prepared over its own time
         assert r["tokens_per_s"] * r["seconds"] == pytest.approx(prepared["tokens"])
+
+
+def test_decode_records_kv_cache_and_recompute_speed(results):
+    from trmoe.bench import decode
+
+    decode.main(
+        ["--models", "tiny", "--batch", "1,2", "--new-tokens", "2", "--prompt-tokens", "3", "--reps", "1"]
+    )
+    lines = results()
+    assert [(r["bench"], r["model"], r["batch"]) for r in lines] == [
+        ("decode", "tiny", 1),
+        ("decode", "tiny", 2),
+    ]
+    for r in lines:
+        t = r["timings"]
+        assert r["tok_s"]["kv_cache"] == pytest.approx(r["batch"] * 2 / t["kv_cache"]["median_s"])
+        assert r["speedup"] == pytest.approx(t["recompute"]["samples_s"][0] / t["kv_cache"]["samples_s"][0])
+    with pytest.raises(UserError, match="--batch"):
+        decode.main(["--batch", "0"])

@@ -318,3 +318,35 @@ def test_a_dcp_checkpoint_before_the_first_step_leaves_the_optimizer_empty(tmp_p
     fresh, fresh_opt = _model_and_optimizer(seed=1, steps=0)
     store.load(info, model=fresh, optimizer=fresh_opt)
     assert not fresh_opt.state  # loaded as saved: before any step
+
+
+def test_every_flipped_bit_of_meta_json_is_caught_and_the_step_must_match_the_name(tmp_path):
+    """meta.json holds the checksums of the other files and the step a resume starts from: one flipped bit
+    anywhere in it makes the checkpoint unusable (unless it parses to the same content, e.g. 'e' -> 'E' in a
+    number), and a valid meta.json under another step's name (a copied directory) too."""
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep_last=0)
+    store.save(7, model=model, optimizer=optimizer, local_state={}, meta={"eval_loss": 2.5, "config": {}})
+    path = tmp_path / "step_00000007"
+    original = (path / "meta.json").read_bytes()
+    meta = json.loads(original)
+    assert meta["step"] == 7 and meta["format_version"] == 2 and "meta_crc32" in meta
+    missed = []
+    for i in range(len(original)):
+        for bit in range(8):
+            flipped = bytearray(original)
+            flipped[i] ^= 1 << bit
+            (path / "meta.json").write_bytes(bytes(flipped))
+            try:
+                info = store.verify(path)
+            except CheckpointError:
+                continue
+            if info.meta != meta:
+                missed.append((i, bit))
+    assert missed == []
+    (path / "meta.json").write_bytes(original)
+    assert store.verify(path).step == 7
+    shutil.copytree(path, tmp_path / "step_00000008")
+    with pytest.raises(CheckpointError, match="meta.json says step 7, the directory's name 8"):
+        store.verify(tmp_path / "step_00000008")
+    assert store.newest_good().step == 7

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,10 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         overrides.append("data.text_path=/some/corpus.txt")
     if (group, option) in (("data", "tokens"), ("data", "fineweb")):
         overrides.append("data.path=/some/dataset")
+    if (group, option) == ("data", "mixture"):
+        overrides.append(
+            "+data.sources={a: {source: embedded, weight: 1}, b: {source: text, text_path: t, weight: 2}}"
+        )
     cfg = to_config(compose_config(*overrides))
     spec = model_spec(cfg)
     assert spec.num_heads % spec.num_kv_heads == 0
@@ -181,19 +188,28 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     assert list(tmp_path.rglob("*")) == []
 
 
-@pytest.mark.parametrize("name", ["a/../../b", "../x", "../../../escape"])
+@pytest.mark.parametrize("name", ["a/../../b", "../x", "../../../escape", ".", "./.", "a/.", "x/"])
 def test_cli_a_run_name_outside_runs_creates_no_directory(tmp_path: Path, name: str):
     """Hydra makes hydra.run.dir before the job validates run.name: a '..' must be refused before that,
-    or it leaves directories behind, even above the launch directory."""
+    or it leaves directories behind, even above the launch directory; a '.' would make runs/ itself (or
+    a parent) the run directory, next to every other run."""
     launch = tmp_path / "up" / "launch"
     launch.mkdir(parents=True)
     result = run_cli([f"run.name={name}", "trainer.steps=1"], cwd=launch, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == (
         f"trmoe: config error: run.name={name!r}: must name a directory inside runs/ "
-        "(a/b nests; no '..', not absolute)"
+        "(a/b nests; no '.' or '..' parts, no trailing '/', not absolute)"
     )
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["up", "up/launch"]
+
+
+def test_cli_a_run_name_longer_than_a_directory_name_is_one_line(tmp_path: Path):
+    result = run_cli([f"run.name=ok/{'n' * 300}", "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("trmoe: config error: run.name: the part 'nnnn")
+    assert "is 300 bytes long; allowed: at most 255 bytes per directory name" in result.stderr
+    assert list(tmp_path.rglob("*")) == []
 
 
 @pytest.mark.parametrize(
@@ -268,3 +284,37 @@ def test_an_experiment_file_of_ones_own_composes_on_top_of_trmoes_config(tmp_pat
     assert chosen == ("100m", "mha", "pilot-mha")
     assert job["trainer"]["steps"] == 2000 and job["trainer"]["seed"] == 7  # the command line still applies
     assert not (tmp_path / "runs").exists()
+
+
+def test_help_names_the_app_trmoe_and_offers_no_schema_as_an_option(tmp_path):
+    out = run_cli(["--help"], tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("trmoe is powered by Hydra")
+    groups = out.stdout.split("== Config ==")[0]
+    assert "model: " in groups and "base_" not in groups
+    # Hydra's bash completion of `model=` (what `eval "$(trmoe-train -sc install=bash)"` asks): the profiles
+    completion = subprocess.run(
+        [sys.executable, "-m", "trmoe.train", "-sc", "query=bash"],
+        env={**os.environ, "COMP_LINE": "trmoe-train model="},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert completion.returncode == 0, completion.stderr
+    assert "model=tiny" in completion.stdout and "base_model" not in completion.stdout
+
+
+def test_cfg_hydra_resolves(tmp_path):
+    out = run_cli(["--cfg", "hydra", "--resolve"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "name: trmoe" in out.stdout and "dir: runs/tiny-gqa-modulo_cyclic-" in out.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
+    if shutil.which("srun"):
+        pytest.skip("SLURM is installed on this machine (tests/slurm/setup.sh)")
+    for args in (["-m", "hydra/launcher=submitit_slurm"], ["-m", "hardware=slurm_1node_8gpu"]):
+        out = run_cli([*args, "trainer.steps=1"], tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.count("\n") == 1 and "no SLURM on this machine (srun not found)" in out.stderr
+        assert list(tmp_path.iterdir()) == []

@@ -160,10 +160,13 @@ def _copy_run(small_run: Path, tmp_path: Path) -> Path:
 
 
 def _edit_meta(checkpoint: Path, edit) -> None:
-    """meta.json after `edit` (which changes it in place)."""
+    """meta.json after `edit` (which changes it in place), sealed again as a save seals it (a forgery of
+    another trmoe's checkpoint, not a corruption)."""
+    from trmoe.train.checkpoint import seal_meta
+
     meta = json.loads((checkpoint / "meta.json").read_text())
     edit(meta)
-    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    (checkpoint / "meta.json").write_text(seal_meta(meta))
 
 
 def _rename_a_tensor(checkpoint: Path) -> None:

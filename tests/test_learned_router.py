@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import TIMING_COLUMNS, compose_config, run_cli
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu
@@ -186,7 +186,7 @@ def test_kill_then_resume_is_bit_exact(tmp_path):
     assert len(rows_a) == len(rows_b) == 9
     for ra, rb in zip(rows_a, rows_b, strict=True):
         for column in ra:
-            if column not in ("tok_s", "elapsed_s"):
+            if column not in TIMING_COLUMNS:
                 assert ra[column] == rb[column], (ra["step"], column)
     trained = [r for r in rows_b if int(r["step"]) > 0]
     assert all(0.99 < float(r["router_aux"]) < 2.0 and float(r["router_z"]) > 0 for r in trained)

@@ -4,7 +4,7 @@ clean save and the requeue exit status; the resume config check; run directories
 The killed runs go through the real app in subprocesses (tests/resume_driver.py = `python -m trmoe.train`
 plus one deterministic fault such as SIGKILL half-way through a checkpoint write); they run concurrently,
 and each is resumed in-process and compared with one uninterrupted baseline: final weights, optimizer
-state and every metrics.csv column but tok_s and elapsed_s must be identical."""
+state and every metrics.csv column but the measured ones (helpers.TIMING_COLUMNS) must be identical."""
 
 from __future__ import annotations
 

@@ -68,6 +68,11 @@ def test_precision_and_world_size_classes():
 def test_new_keys_are_training_critical_unless_listed_volatile():
     assert not is_volatile("optimizer.some_new_knob") and not is_volatile("brand_new_section.x")
     assert is_volatile("trainer.steps") and is_volatile("run.name") and is_volatile("checkpoint.every_steps")
+    # a pattern covers its subtree (data_info.metric_streams never matched its flattened keys); locations are
+    # volatile, the content hashes beside them are not
+    assert is_volatile("data_info.metric_streams.eval_loss") and is_volatile("data_info.shards.train.path")
+    assert is_volatile("data.path") and is_volatile("data_info.stream.paths")
+    assert not is_volatile("data_info.shards.train.sha256") and not is_volatile("data_info.stream.files")
     diff = compare({"model.a": 1}, {"model.a": 1, "model.new_key": 3})
     assert diff.critical == {"model.new_key": ("<absent>", 3)}
     a = {"model.a": 1, "trainer.log_every": 1}

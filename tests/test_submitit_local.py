@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, finish, metrics_rows, wait_until
+from helpers import TIMING_COLUMNS, TINY_RUN, finish, metrics_rows, wait_until
 
 from trmoe.train import distributed
 from trmoe.train.checkpoint import load_checkpoint
@@ -38,7 +38,6 @@ TINY = [
     "hydra.launcher.timeout_min=1",  # SIGUSR2 at 60 - 30 s; the job is killed at 60 s
 ]
 ROUTINGS = "routing=modulo_cyclic,multi_hash"
-TIMING_COLUMNS = ("tok_s", "elapsed_s")
 USR2_BIT = 1 << (signal.SIGUSR2 - 1)
 
 

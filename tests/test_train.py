@@ -179,9 +179,9 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
         cwd=corpus.parent,
     )
     assert result.returncode == 0, result.stderr
-    # no run.name: the default one, runs/<model>-<attention>-<routing>-<date>-<time>
+    # no run.name: the default one, runs/<model>-<attention>-<routing>-<date>-<time>-<random>
     (run_dir,) = (corpus.parent / "runs").iterdir()
-    assert re.fullmatch(r"tiny-mha-random-\d{8}-\d{6}", run_dir.name), run_dir.name
+    assert re.fullmatch(r"tiny-mha-random-\d{8}-\d{6}-[0-9a-f]{6}", run_dir.name), run_dir.name
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["data"]["path"] == str(corpus.resolve())
     assert rc["run_name"] == run_dir.name

@@ -1,4 +1,4 @@
-"""python -m trmoe.bench <name> [options]: ffn, dispatch, loss, step, data.
+"""python -m trmoe.bench <name> [options]: ffn, dispatch, loss, step, data, decode.
 
 Results are appended to bench/results.jsonl, or to $TRMOE_RESULTS. Bad input (an unknown benchmark or
 option, a value out of range, an unknown config key, a results path that is a directory or lies under a
@@ -17,7 +17,7 @@ from pathlib import Path
 from trmoe.bench.common import Parser, results_path, run_cli
 from trmoe.errors import UserError, file_in_the_way
 
-BENCHES = ("ffn", "dispatch", "loss", "step", "data")
+BENCHES = ("ffn", "dispatch", "loss", "step", "data", "decode")
 
 
 def check_results_path() -> Path:

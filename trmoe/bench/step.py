@@ -17,10 +17,9 @@ import torch
 from trmoe.bench.common import Parser, add_device, matmul_peak_flops, positive_int, record, sync
 from trmoe.config.schema import HardwareConfig
 from trmoe.errors import UserError
-from trmoe.model.flops import flops_per_token  # the formula the planner uses too
+from trmoe.model.flops import datasheet_peak, flops_per_token  # the formula the planner uses too
 from trmoe.train import env
 
-DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 PROFILES = resources.files("trmoe.conf") / "model"  # the model profiles --model takes
 MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.name.endswith(".yaml"))
 
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     measured_peak = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name()
-        peak = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+        peak = datasheet_peak(name, "bf16")
         peak_source = "datasheet dense bf16"
         measured_peak = matmul_peak_flops(device, torch.bfloat16, n=8192)
     else:  # measured between the steps (measure(probe_n=...))

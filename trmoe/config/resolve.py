@@ -20,11 +20,20 @@ from trmoe.model.transformer import ModelSpec
 
 def compose_error(e: BaseException) -> str:
     """One line from a Hydra composition error (unknown key, bad value, missing group option, bad syntax)."""
+    import yaml
     from hydra.errors import MissingConfigException, OverrideParseException
 
     for cause in _chain(e):  # a UserError raised while composing (run.name in hydra.run.dir) says it all
         if isinstance(cause, UserError):
             return str(cause)
+        if isinstance(cause, yaml.MarkedYAMLError) and cause.problem_mark is not None:  # a broken YAML file
+            mark = cause.problem_mark
+            return (
+                f"config error: {mark.name}: line {mark.line + 1}, column {mark.column + 1}: not valid YAML "
+                f"({cause.problem})"
+            )
+        if isinstance(cause, yaml.YAMLError):
+            return f"config error: not valid YAML ({str(cause).strip().splitlines()[0]})"
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     head = lines[0] if lines else type(e).__name__
     if isinstance(e, MissingConfigException):  # a group option that does not exist
@@ -67,6 +76,9 @@ def group_options(path: str) -> list[str]:
     )
 
 
+MULTI_OPTION_GROUPS = ("logger",)  # groups whose options add up (each sets its own key)
+
+
 def check_group_overrides(overrides: list[str]) -> None:
     """A config group takes one option name. Hydra merges a list of them into one config (`model=[tiny,50m]`
     trains a merged model) and refuses any other value (`=5`) with a traceback: a UserError naming the
@@ -83,6 +95,8 @@ def check_group_overrides(overrides: list[str]) -> None:
             raise UserError(
                 f"config error: {override.input_line}: names no key; allowed: <key>=<value>, <group>=<option>"
             )
+        if group in MULTI_OPTION_GROUPS and isinstance(value, list):
+            continue  # several trackers at once: logger=[tensorboard,mlflow]
         options = group_options(group) if "/" not in group else []  # the top-level groups of the tree
         if options:
             raise UserError(

@@ -1,12 +1,14 @@
 """Every option of trmoe, its type, default and meaning — the single source of truth.
 
-Each config group (`conf/<group>/*.yaml`) extends the dataclass registered here as `<group>/base_<group>`,
+Each config group (`conf/<group>/*.yaml`) extends the dataclass registered here as `/base_<group>@_here_`,
 so a key that is not in the schema fails at compose time, naming the key. Cross-field rules live in
 `trmoe.config.validate`.
 """
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -46,6 +48,7 @@ class DataSource(str, Enum):
     text = "text"  # a local UTF-8 file, documents separated by blank lines or data.separator
     tokens = "tokens"  # memory-mapped token shards (python -m trmoe.data.prepare), data.path
     fineweb = "fineweb"  # documents streamed from local Parquet (data.path) or the HF hub, tokenized live
+    mixture = "mixture"  # a weighted blend of several of the above (data.sources), per-source evaluation
 
 
 class MatchField(str, Enum):
@@ -135,6 +138,60 @@ class CheckpointFormat(str, Enum):
 class SpikePolicy(str, Enum):
     log = "log"  # log the spike and count it in metrics.csv; the step is applied
     rollback = "rollback"  # reload the last good checkpoint, recompute the steps since, skip the spike batch
+
+
+class WandbMode(str, Enum):
+    offline = "offline"  # written under <run dir>/wandb; `wandb sync <that dir>` uploads it later
+    online = "online"  # streamed to the W&B server (needs an account and network)
+    disabled = "disabled"  # W&B calls do nothing
+
+
+@dataclass
+class CsvLogger:
+    """metrics.csv: always written (the source of truth); `logger=csv` chooses no other tracker."""
+
+
+@dataclass
+class TensorBoardLogger:
+    dir: str = "tensorboard"  # event files, inside the run directory (`tensorboard --logdir runs`)
+
+
+@dataclass
+class MLflowLogger:
+    tracking_uri: str | None = None  # None: a local file store, mlruns/ beside the run directory
+    experiment: str = "trmoe"  # MLflow experiment the run is created in
+
+
+@dataclass
+class WandbLogger:
+    project: str = "trmoe"  # W&B project the run is logged in
+    entity: str | None = None  # W&B team or user; None = the default of the logged-in account
+    group: str | None = None  # W&B run group (e.g. a sweep's name)
+    mode: WandbMode = WandbMode.offline  # offline (default): nothing leaves the machine until `wandb sync`
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment trackers beside metrics.csv (`logger=tensorboard`, `logger=[tensorboard,mlflow]`): each is
+    set when its option is chosen (conf/logger/), None otherwise. Rank 0 only; docs/configuration.md."""
+
+    csv: CsvLogger | None = None
+    tensorboard: TensorBoardLogger | None = None
+    mlflow: MLflowLogger | None = None
+    wandb: WandbLogger | None = None
+
+
+@dataclass
+class DebugConfig:
+    """Debugging aids (conf/debug/: fast, overfit, anomaly, profile)."""
+
+    overfit: bool = False  # train on the first step's batch at every step (the loss must go near zero)
+    anomaly: bool = False  # torch.autograd anomaly detection (names the op of a NaN gradient; slow)
+    profile: bool = False  # torch.profiler trace of a few steps into <run dir>/profile, top ops in the log
+    profile_wait: int = 1  # profiler: steps skipped before its warm-up (after step 1's allocations)
+    profile_warmup: int = 1  # profiler: steps traced but discarded (the profiler's own start-up)
+    profile_active: int = 2  # profiler: steps recorded
+    profile_rows: int = 15  # rows of the top-ops table in train.log
 
 
 @dataclass
@@ -229,6 +286,22 @@ class OptimizerConfig:
 
 
 @dataclass
+class MixtureSourceConfig:
+    """One source of data=mixture (`data.sources.<name>`): any single-source kind, with its weight. The keys a
+    kind does not use must stay null; eval_fraction, split_seed, verify and workers are data.*'s."""
+
+    source: DataSource = MISSING  # embedded | text | tokens | fineweb
+    weight: float = MISSING  # share of the training samples (the weights are normalised over the sources)
+    weight_final: float | None = None  # the weight from data.mixture_ramp_end on; None = weight
+    text_path: str | None = None  # text: UTF-8 file
+    separator: str | None = None  # text: document separator; None = blank lines
+    path: str | None = None  # tokens: dataset or shard dir; fineweb: Parquet file, dir or glob
+    eval_path: str | None = None  # tokens: held-out shard dir
+    text_field: str | None = None  # fineweb: the text column; None = data.text_field
+    order: SampleOrder | None = None  # None = data.order (fineweb: sequential)
+
+
+@dataclass
 class DataConfig:
     source: DataSource = DataSource.embedded  # embedded help texts, random ids, a text file, shards, Parquet
     text_path: str | None = None  # data=text: UTF-8 file, resolved against the launch directory
@@ -246,16 +319,20 @@ class DataConfig:
     hf_split: str = "train"  # fineweb: hub split to stream
     workers: int = 2  # fineweb: tokenizer processes feeding the background reader; 0 = in the reader thread
     pin_memory: bool = True  # CUDA/ROCm: batches come from pinned host memory (asynchronous copies)
+    sources: dict[str, MixtureSourceConfig] = field(default_factory=dict)  # data=mixture: name -> source
+    mixture_ramp_start: int | None = None  # mixture: weights leave `weight` after this optimizer step...
+    mixture_ramp_end: int | None = None  # ... and reach `weight_final` at this one (linear; absolute steps)
 
 
 @dataclass
 class HardwareConfig:
     device: Device = Device.auto  # auto: cuda/rocm if available, else mps, else cpu
     precision: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default at process start
+    threads: int | None = None  # intra-op CPU threads, null = torch's default; > cores warned, > 16x refused
     deterministic: bool = True  # torch.use_deterministic_algorithms (CPU runs are then bit-reproducible)
     strategy: Strategy = Strategy.auto  # multi-rank jobs (torchrun, SLURM): auto (= ddp) | ddp | fsdp
     reuse_host_memory: bool = True  # CPU runs, glibc: freed memory kept for reuse (no per-step page faults)
+    peak_tflops: float | None = None  # peak TFLOP/s of one device for MFU; None = datasheet (GPU) or measured
 
 
 @dataclass
@@ -291,7 +368,7 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    name: str | None = None  # runs/<name>/ outside --multirun; None = <model>-<attention>-<routing>-<time>
+    name: str | None = None  # runs/<name>/ (not --multirun); None: <model>-<attention>-<routing>-<time>-<x>
     progress: Progress = Progress.auto  # a live bar on a terminal, log lines otherwise
     overwrite: bool = False  # with trainer.resume=never: replace the run a run directory already holds
 
@@ -300,7 +377,8 @@ class RunConfig:
 class CheckpointConfig:
     """Checkpoints in <run dir>/checkpoints (docs/reliability.md): atomic, verified, resumable."""
 
-    every_steps: int = 500  # save every this many steps (also at the end, on SIGUSR2/SIGTERM); 0 = end only
+    enabled: bool = True  # false: no checkpoint at all, not even the final one (the run cannot be resumed)
+    every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 
@@ -323,6 +401,35 @@ class TelemetryConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    """Downstream accuracy during training: lm-evaluation-harness tasks on a fixed subset, at a cadence, as
+    metrics.csv columns acc/<task> and acc_norm/<task> (the `eval` extra; docs/after_training.md)."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names (registry or include_path); [] = off
+    every: int | None = None  # cadence in steps (and at steps 0 and last); None = trainer.eval_every
+    limit: int | None = 200  # the first this many examples of each task (a fixed subset); None = all
+    include_path: str | None = None  # folder of local task YAMLs (the harness's format)
+    batch_size: int = 8  # requests scored per forward
+
+
+@dataclass
+class EvalToolConfig:
+    """`python -m trmoe.eval run=<dir> tasks=[...]`: lm-evaluation-harness on a trained run (the `eval`
+    extra; docs/after_training.md). Writes <run>/eval/<step>.json."""
+
+    run: str = MISSING  # run directory, its checkpoints/ or one checkpoint
+    step: int | None = None  # checkpoint step; None = the newest complete one
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names (its registry or include_path)
+    include_path: str | None = None  # folder of local task YAMLs (the harness's format)
+    limit: int | None = None  # the first this many examples of each task; None = all
+    num_fewshot: int | None = None  # None = each task's own default
+    batch_size: int = 8  # requests scored per forward
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    out: str | None = None  # results file; None = <run>/eval/<step>.json
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     attention: AttentionConfig = MISSING
@@ -336,6 +443,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 GROUPS: dict[str, Any] = {
@@ -349,13 +459,33 @@ GROUPS: dict[str, Any] = {
 }
 
 
+NAME_MAX = 255  # bytes in one directory name (ext4, xfs, tmpfs, NFS)
+
+
 def check_run_name(name: str | None) -> None:
     """run.name names a directory inside runs/. Checked where hydra.run.dir resolves it, before Hydra makes
-    that directory: a '..' would leave directories behind, even outside the launch directory."""
-    if name is not None and (not name.strip() or name.startswith(("/", "~")) or ".." in name.split("/")):
+    that directory: a '..' would leave directories behind, even outside the launch directory; a '.' part
+    ('.', './.', 'a/.') would make runs/ itself (or a parent run) the run directory, next to every other run;
+    a part longer than the filesystem's name limit (255 bytes) fails only when the directory is made."""
+    if name is None:
+        return
+    parts = name.split("/")
+    bad = (
+        not name.strip()
+        or name.startswith(("/", "~"))
+        or any(part in (".", "..") for part in parts)
+        or not parts[-1]  # a trailing '/' (it would name the same directory as without it)
+    )
+    if bad:
         raise UserError(
             f"config error: run.name={name!r}: must name a directory inside runs/ "
-            "(a/b nests; no '..', not absolute)"
+            "(a/b nests; no '.' or '..' parts, no trailing '/', not absolute)"
+        )
+    longest = max(parts, key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX:
+        raise UserError(
+            f"config error: run.name: the part {longest[:40]!r}... is {len(longest.encode())} bytes long; "
+            f"allowed: at most {NAME_MAX} bytes per directory name"
         )
 
 
@@ -364,14 +494,24 @@ def _run_name(name: str | None, *parts: str) -> str:
     return name if name is not None else "-".join(str(p) for p in parts)
 
 
+def _stamp(pattern: str) -> str:
+    """The launch's time in `pattern` and a random suffix: default run names and sweep directories are unique
+    by construction, not by the clock's second (two launches in one second got one directory). Cached like
+    Hydra's `now`, whose cache Hydra hands to every job of a sweep: one launch, one value."""
+    return f"{time.strftime(pattern)}-{secrets.token_hex(3)}"
+
+
 def register() -> None:
-    """Register the schemas so YAML files can extend them (`defaults: [base_<group>]`), and the
-    `trmoe.run_name` resolver used by hydra.run.dir."""
+    """Register the schemas so YAML files can extend them (`defaults: [/base_<group>@_here_]`), and the
+    `trmoe.run_name` and `trmoe.stamp` resolvers used by hydra.run.dir and hydra.sweep.dir."""
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
+    OmegaConf.register_new_resolver("trmoe.stamp", _stamp, use_cache=True, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    cs.store(name="eval_tool", node=EvalToolConfig)
     for group, node in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=node)
+        # at the top level, not in the group: a schema is no option of its group (`--help`, shell completion)
+        cs.store(name=f"base_{group}", node=node)
 
 
 register()

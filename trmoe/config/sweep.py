@@ -15,8 +15,9 @@ from trmoe.config.resolve import check_group_overrides, compose_error, compose_p
 from trmoe.errors import UserError
 
 
-def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
-    """(every job's override list in launch order, whether the composed config is a multirun)."""
+def sweep_jobs(overrides: list[str], cli_multirun: bool = False) -> tuple[list[list[str]], bool]:
+    """(every job's override list in launch order, whether the composed config is a multirun); a multirun
+    (`cli_multirun`: --multirun was given) is refused a launcher this machine cannot run."""
     try:
         parsed = parse_overrides(overrides)
     except Exception as e:  # Hydra's parse errors
@@ -24,7 +25,24 @@ def sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], bool]:
     cfg = compose_packaged([o.input_line for o in parsed if not o.is_sweep_override()], hydra_node=True)
     params = cfg.hydra.sweeper.params or {}
     lines = [f"{k}={v}" for k, v in params.items()] + list(overrides)
-    return expand_sweep(parse_overrides(lines)), cfg.hydra.mode == RunMode.MULTIRUN
+    multirun = cfg.hydra.mode == RunMode.MULTIRUN
+    if multirun or cli_multirun:
+        check_launcher(cfg)
+    return expand_sweep(parse_overrides(lines)), multirun
+
+
+def check_launcher(cfg) -> None:
+    """The SLURM launcher needs SLURM's commands on this machine (submitit looks for `srun`): without them
+    its sweep would fail after Hydra wrote the sweep directory, with a traceback."""
+    import shutil
+
+    target = str(cfg.hydra.launcher.get("_target_", ""))
+    if "SlurmLauncher" in target and shutil.which("srun") is None:
+        raise UserError(
+            f"config error: hydra.launcher={target.rsplit('.', 1)[-1]} (hydra/launcher=submitit_slurm, or a "
+            "slurm_* hardware preset): no SLURM on this machine (srun not found); allowed here: the basic "
+            "launcher (drop the override) or hydra/launcher=submitit_local"
+        )
 
 
 def check_jobs_compose(jobs: list[list[str]]) -> None:

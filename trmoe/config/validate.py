@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from trmoe.config.schema import (
 )
 from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.errors import UserError
+from trmoe.load import O200K_VOCAB
 from trmoe.model.routing import (
     MAX_EXPERTS,
     MAX_HASH_COUNT,
@@ -53,6 +56,32 @@ def _finite(node: object, prefix: str) -> None:
             _fail(f"{prefix}{f.name}", value, "must be a finite number")
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _int64(node: object, prefix: str) -> None:
+    """Every integer of the config fits int64: a larger one (trainer.steps, model.match_params, a seed)
+    composes as a Python int and fails deep inside numpy or torch with a traceback."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _int64(value, f"{prefix}{f.name}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
+            _fail(f"{prefix}{f.name}", value, f"must be an integer of at most {INT64_MAX} (int64)")
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# hardware.threads above the cores only oversubscribes (warned when the run starts); far above them it is a
+# typo that would start thousands of threads
+THREADS_PER_CORE_MAX = 16
+
+
 def kv_heads(cfg: Config) -> int:
     """Key/value heads actually used (AttentionKind.kv_heads)."""
     return cfg.attention.kind.kv_heads(cfg.model.num_heads, cfg.model.num_kv_heads)
@@ -69,15 +98,29 @@ def validate(cfg: Config) -> None:
         cfg.hardware,
     )
     _finite(cfg, "")
+    if hw.peak_tflops is not None and hw.peak_tflops <= 0:
+        _fail(
+            "hardware.peak_tflops",
+            hw.peak_tflops,
+            "must be a positive number (TFLOP/s of one device) or null",
+        )
+    dbg = cfg.debug
+    for name in ("profile_wait", "profile_warmup"):
+        if getattr(dbg, name) < 0:
+            _fail(f"debug.{name}", getattr(dbg, name), "must be 0 or more steps")
+    _positive(dbg, "debug", "profile_active", "profile_rows")
+    _int64(cfg, "")
 
     _positive(m, "model", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
     _positive(m, "model", "num_experts", "vocab_pad_multiple")
     if m.vocab_size < 2:
         _fail("model.vocab_size", m.vocab_size, "must be at least 2")
     if m.hidden_size % m.num_heads:
-        divisors = [
-            h for h in range(1, m.hidden_size + 1) if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
-        ]
+        divisors = [  # listed for a plausible width only: a huge one would take forever to enumerate
+            h
+            for h in range(1, m.hidden_size + 1 if m.hidden_size <= 1 << 16 else 1)
+            if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
+        ] or "a divisor of it with an even quotient"
         _fail(
             "model.num_heads",
             m.num_heads,
@@ -162,7 +205,16 @@ def validate(cfg: Config) -> None:
         )
     if d.separator == "":
         _fail("data.separator", "''", "must be a non-empty string, or null for blank lines")
-    _validate_streamed_data(d)
+    if d.source == DataSource.mixture:
+        _validate_mixture(d)
+    else:
+        _validate_streamed_data(d)
+        if d.sources:
+            _fail(
+                "data.sources",
+                sorted(d.sources),
+                f"only data=mixture reads it (data.source: {d.source.value})",
+            )
 
     if loss.chunk_tokens < 1:
         _fail("loss.chunk_tokens", loss.chunk_tokens, "must be a positive integer")
@@ -174,7 +226,43 @@ def validate(cfg: Config) -> None:
 
     if hw.threads is not None and hw.threads < 1:
         _fail("hardware.threads", hw.threads, "must be a positive integer or null")
+    cores = usable_cores()
+    if hw.threads is not None and hw.threads > THREADS_PER_CORE_MAX * cores:
+        _fail(
+            "hardware.threads",
+            hw.threads,
+            f"this machine has {cores} usable cores; allowed: 1..{THREADS_PER_CORE_MAX * cores} "
+            "(at most the cores is best) or null",
+        )
     _validate_reliability(cfg)
+    _validate_downstream(cfg)
+
+
+def _validate_downstream(cfg: Config) -> None:
+    """downstream.*: the option values; whether lm-eval and the tasks are there is checked by
+    trmoe.train.downstream, also before anything is written."""
+    ds = cfg.downstream
+    if not ds.tasks:
+        return
+    for task in ds.tasks:
+        if not isinstance(task, str) or not task.strip() or "," in task:
+            _fail("downstream.tasks", list(ds.tasks), "allowed: lm-eval task names, e.g. [arc_easy,piqa]")
+    if len(set(ds.tasks)) != len(ds.tasks):
+        _fail("downstream.tasks", list(ds.tasks), "names a task twice; allowed: each task once")
+    if cfg.model.vocab_size != O200K_VOCAB:
+        _fail(
+            "downstream.tasks",
+            list(ds.tasks),
+            f"tasks are text: needs a model that reads o200k_base ids (model.vocab_size={O200K_VOCAB}, "
+            f"a text data source); this one has model.vocab_size={cfg.model.vocab_size}",
+        )
+    if ds.every is not None and ds.every < 0:
+        _fail("downstream.every", ds.every, "must be >= 0 (0 = at steps 0 and last only) or null")
+    if ds.limit is not None and ds.limit < 1:
+        _fail("downstream.limit", ds.limit, "must be a positive integer (first N examples) or null")
+    _positive(ds, "downstream", "batch_size")
+    if ds.include_path is not None and not os.path.isdir(ds.include_path):
+        _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
 
 
 def _validate_streamed_data(d) -> None:
@@ -202,6 +290,74 @@ def _validate_streamed_data(d) -> None:
         _fail("data.workers", d.workers, "must be >= 0 (0 = tokenize in the background reader thread)")
 
 
+_SOURCE_KEYS = {  # data.sources.<name>.* keys each kind reads
+    DataSource.embedded: (),
+    DataSource.text: ("text_path", "separator"),
+    DataSource.tokens: ("path", "eval_path", "order"),
+    DataSource.fineweb: ("path", "text_field", "order"),
+}
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _validate_mixture(d) -> None:
+    """data=mixture: the sources, their weights and the weight ramp (docs/data.md, Mixtures)."""
+    for key in ("path", "eval_path", "text_path", "separator"):
+        if getattr(d, key) is not None:
+            _fail(f"data.{key}", getattr(d, key), "data=mixture: set it per source, data.sources.<name>.*")
+    if not d.sources:
+        _fail(
+            "data.sources",
+            "{}",
+            "data=mixture needs at least one source: '+data.sources.<name>={source: text, text_path: f.txt, "
+            "weight: 1}'",
+        )
+    kinds = ", ".join(k.value for k in _SOURCE_KEYS)
+    for name, s in d.sources.items():
+        key = f"data.sources.{name}"
+        if not SOURCE_NAME.fullmatch(name):
+            _fail(key, name, "a source name is letters, digits, '_' and '-' (it names metrics.csv columns)")
+        if s.source not in _SOURCE_KEYS:
+            _fail(f"{key}.source", s.source.value, f"allowed: {kinds}")
+        for field in ("text_path", "separator", "path", "eval_path", "text_field", "order"):
+            if getattr(s, field) is not None and field not in _SOURCE_KEYS[s.source]:
+                _fail(f"{key}.{field}", getattr(s, field), f"not used by source {s.source.value}")
+        if s.source == DataSource.text and not s.text_path:
+            _fail(f"{key}.text_path", None, "a text source needs a UTF-8 file")
+        if s.source in (DataSource.tokens, DataSource.fineweb) and not s.path:
+            _fail(f"{key}.path", None, f"a {s.source.value} source needs data.sources.{name}.path")
+        if s.source == DataSource.fineweb and s.order not in (None, SampleOrder.sequential):
+            _fail(f"{key}.order", s.order.value, "a fineweb source streams documents in order: sequential")
+        if s.separator == "":
+            _fail(f"{key}.separator", "''", "must be a non-empty string, or null for blank lines")
+        for field in ("weight", "weight_final"):
+            value = getattr(s, field)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                _fail(f"{key}.{field}", value, "must be a finite number >= 0")
+    if not sum(s.weight for s in d.sources.values()) > 0:
+        _fail("data.sources.*.weight", 0, "at least one source needs a weight > 0")
+    finals = [s.weight_final for s in d.sources.values()]
+    ramped = any(f is not None for f in finals)
+    if (
+        ramped
+        and not sum(s.weight if f is None else f for s, f in zip(d.sources.values(), finals, strict=True)) > 0
+    ):
+        _fail("data.sources.*.weight_final", 0, "at least one source needs a final weight > 0")
+    start, end = d.mixture_ramp_start, d.mixture_ramp_end
+    if ramped != (start is not None and end is not None) or (start is None) != (end is None):
+        _fail(
+            "data.mixture_ramp_start",
+            start,
+            "a weight schedule needs data.sources.<name>.weight_final and both data.mixture_ramp_start and "
+            "data.mixture_ramp_end (optimizer steps); without one, none of them",
+        )
+    if start is not None and not 0 <= start < end:
+        _fail("data.mixture_ramp_end", end, f"must be > data.mixture_ramp_start={start} >= 0")
+    if not d.text_field:
+        _fail("data.text_field", "''", "must name the column that holds the text")
+    if d.workers < 0:
+        _fail("data.workers", d.workers, "must be >= 0 (0 = tokenize in the background reader thread)")
+
+
 def _validate_reliability(cfg: Config) -> None:
     """trainer.resume, checkpoint.* and guard.* (docs/reliability.md)."""
     t, c, g = cfg.trainer, cfg.checkpoint, cfg.guard
@@ -220,6 +376,13 @@ def _validate_reliability(cfg: Config) -> None:
     if g.max_rollbacks < 0:
         _fail("guard.max_rollbacks", g.max_rollbacks, "must be >= 0")
     if g.spike_policy == SpikePolicy.rollback:
+        if not c.enabled:
+            _fail(
+                "guard.spike_policy",
+                "rollback",
+                "reloads the last checkpoint: not with checkpoint.enabled=false (set it true, or "
+                "guard.spike_policy=log)",
+            )
         if g.spike_factor == 0:
             _fail("guard.spike_policy", "rollback", "needs spike detection: guard.spike_factor > 1")
         if c.every_steps == 0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -51,6 +53,13 @@ def encode_documents(
 
 
 def _init_worker() -> None:
+    # Ctrl-C, and a SIGTERM/SIGHUP sent to the whole process group, are the parent's to handle: it stops
+    # the pool and removes its partial files. A worker of the group would print a KeyboardInterrupt
+    # traceback, and one killed while it holds the task queue's lock deadlocks Pool.terminate(); so the
+    # workers leave the group (and ignore Ctrl-C until they have).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)
     load_o200k()
 
 
@@ -64,6 +73,11 @@ def make_pool(workers: int):
         return None
     main = sys.modules.get("__main__")
     saved = {name: getattr(main, name) for name in ("__spec__", "__file__") if hasattr(main, name)}
+    # A worker is exposed to the group's Ctrl-C from its exec until _init_worker ignores it: one that gets
+    # it while importing `site` dies with a fatal error. SIGINT stays blocked while the workers start: they
+    # inherit the mask (so it waits in them until _init_worker ignores it), and this process receives its
+    # own Ctrl-C when the mask is restored.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         if main is not None:
             main.__spec__ = None
@@ -73,6 +87,7 @@ def make_pool(workers: int):
     finally:
         for name, value in saved.items():
             setattr(main, name, value)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def ordered_map(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import glob
 import hashlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import numpy as np
 
 from trmoe.data.documents import first_line, open_parquet
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
+from trmoe.data.identity import file_sha256
 from trmoe.errors import UserError
 
 CHUNK_DOCS = 256  # documents per tokenizer task
@@ -58,18 +60,21 @@ def resolve_parquet_files(spec: str) -> list[Path]:
     """A Parquet file, a directory (every *.parquet below it) or a glob -> sorted absolute paths."""
     path = Path(spec).expanduser()
     if any(ch in spec for ch in "*?["):
-        files = sorted(Path(p).resolve() for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        # absolute, not resolved: a match that is a symlink is named as matched, not by its target
+        files = sorted(
+            Path(os.path.abspath(p)) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()
+        )
         if not files:
             raise UserError(f"data.path={spec}: the glob matches no files")
         return files
     if not path.exists():
         raise UserError(f"data.path={spec}: no such file or directory")
     if path.is_dir():
-        files = sorted(p.resolve() for p in path.rglob("*.parquet") if p.is_file())
+        files = sorted(Path(os.path.abspath(p)) for p in path.rglob("*.parquet") if p.is_file())
         if not files:
             raise UserError(f"data.path={spec}: the directory holds no *.parquet files")
         return files
-    return [path.resolve()]
+    return [Path(os.path.abspath(path))]
 
 
 class ParquetSource:
@@ -86,20 +91,26 @@ class ParquetSource:
             meta = open_parquet(path, text_field, "data.text_field")
             self.row_groups.append(meta.num_row_groups)
             rows += meta.metadata.num_rows
+        # content identity (trmoe.data.identity): hashed once per launch and recorded; a resume compares
+        # them (data_info.stream.files) and the data cursor checks the fingerprint made of them
+        self.hashes = [file_sha256(p) for p in self.files]
         self.info = {
             "kind": self.kind,
             "path": spec,
-            "files": [{"path": str(p), "bytes": p.stat().st_size} for p in self.files],
+            "paths": [str(p) for p in self.files],  # where they are now (volatile: they may move)
+            "files": [
+                {"bytes": p.stat().st_size, "sha256": h, "row_groups": n}
+                for p, h, n in zip(self.files, self.hashes, self.row_groups, strict=True)
+            ],
             "rows": rows,
             "text_field": text_field,
         }
-        listing = "\n".join(
-            f"{p.name}:{p.stat().st_size}:{n}" for p, n in zip(self.files, self.row_groups, strict=True)
-        )
+        listing = "\n".join(f"{h}:{n}" for h, n in zip(self.hashes, self.row_groups, strict=True))
         self.fingerprint = hashlib.sha256(listing.encode()).hexdigest()
 
     def file_name(self, index: int) -> str:
-        return self.files[index].name
+        """The file's identity in a data cursor: its content (a moved or renamed copy is the same file)."""
+        return f"sha256:{self.hashes[index][:16]}"
 
     def documents(self, start: Cursor = Cursor()) -> Iterator[Doc]:
         pa, pq = _arrow()

@@ -68,6 +68,12 @@ class DataPipeline:
     eval_bytes: int | None = None  # UTF-8 bytes of the text the held-out targets encode; None = no bpb
     streams: dict = field(default_factory=dict)  # metrics.csv figure -> the stream it is computed on
     fingerprint: str = ""  # identity of the data, checked when a data cursor is loaded
+    sources: dict[str, DataPipeline] = field(default_factory=dict)  # data=mixture: each source's own data
+
+    @property
+    def metric_columns(self) -> list[str]:
+        """The metrics.csv columns beyond records.METRIC_COLUMNS: held-out loss and bpb of each source."""
+        return [f"eval_{kind}/{name}" for name in self.sources for kind in ("loss", "bpb")]
 
     def bpb(self, eval_loss: float) -> float:
         """Bits per UTF-8 byte of the held-out loss (NaN when the ids are not o200k text)."""
@@ -185,10 +191,16 @@ def _check_one_batch(windows: int, cfg: Config, what: str) -> None:
         )
 
 
-def build_data(cfg: Config, vocab_size: int, device: torch.device | None = None) -> DataPipeline:
+def build_data(
+    cfg: Config, vocab_size: int, device: torch.device | None = None, world_size: int = 1
+) -> DataPipeline:
     """Build and check every data input of a run (all UserErrors happen here, before anything is written)."""
     source = cfg.data.source
-    if source == DataSource.random:
+    if source == DataSource.mixture:
+        from trmoe.data.mixture import build_mixture
+
+        data = build_mixture(cfg, vocab_size, global_batch_samples(cfg.trainer, world_size))
+    elif source == DataSource.random:
         data = _build_random(cfg, vocab_size)
     elif source == DataSource.tokens:
         data = _build_tokens(cfg, vocab_size)

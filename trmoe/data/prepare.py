@@ -15,11 +15,15 @@ as *.partial and renamed when complete; any error removes them.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
-import hashlib
 import json
 import os
+import re
+import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +35,7 @@ from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.documents import first_line, open_parquet
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
+from trmoe.data.identity import file_sha256
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
 from trmoe.errors import UserError, require_directory
@@ -48,7 +53,8 @@ def discover_inputs(spec: str) -> tuple[Path, list[Path]]:
     """(root, files): a single file (read as text unless it is .jsonl/.parquet), every .txt/.jsonl/.parquet
     file below a directory, or the files a glob matches; sorted by path."""
     if any(ch in spec for ch in "*?["):
-        files = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        # absolute, not resolved: a match that is a symlink is named as matched, not by its target
+        files = sorted(Path(os.path.abspath(p)) for p in glob.glob(os.path.expanduser(spec), recursive=True))
         files = [p for p in files if p.is_file()]
         if not files:
             raise UserError(f"input {spec}: the glob matches no files")
@@ -144,7 +150,11 @@ def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"jsonl file {path}: line {lineno} is not valid JSON ({exc.msg})") from None
+                raise UserError(
+                    # (json's msg can end in " at", the position it leaves to str(exc))
+                    f"jsonl file {path}: line {lineno} is not valid JSON "
+                    f"({exc.msg.removesuffix(' at')} at column {exc.colno})"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise UserError(
                     f"jsonl file {path}: line {lineno} has no field {text_field!r} (--text-field)"
@@ -198,14 +208,6 @@ def file_documents(path: Path, text_field: str, separator: str | None) -> Iterat
         yield item
     if count == 0:
         raise UserError(f"{path.suffix.lstrip('.') or 'text'} file {path}: contains no documents (empty)")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- progress
@@ -324,11 +326,11 @@ def prepare(
     existing += [out / DATASET_FILE] if (out / DATASET_FILE).exists() else []
     if existing and not overwrite:
         raise UserError(f"output {out}: already holds a prepared dataset ({existing[0]}); use --overwrite")
-    if any(out == p or out in p.parents for p in files):
+    if any(out == p.resolve() or out in p.resolve().parents for p in files):
         raise UserError(f"output {out}: is the input or inside it; choose another --out")
     enc = load_o200k()
     inputs = [
-        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in files
     ]
     source = {
@@ -356,7 +358,8 @@ def prepare(
                 writers[p] = ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta)
             except OSError as exc:  # no permission, or a file put in the way since the check
                 raise UserError(f"--out {out}: cannot write {out / p} ({exc.strerror or exc})") from None
-        pool = make_pool(workers)
+        with interruptions_deferred():  # a Ctrl-C while the workers start would orphan them
+            pool = make_pool(workers)
         tasks = (
             (tag, (texts, eval_fraction, split_seed, "all"))
             for tag, texts in _chunks(files, text_field, separator)
@@ -378,13 +381,17 @@ def prepare(
                     f"{'raise' if p == 'eval' else 'lower'} --eval-fraction or add documents"
                 )
     except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        for d in reversed(created):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+        with interruptions_deferred(reraise=False):  # a second Ctrl-C must not cut the clean-up short
+            if pool is not None:
+                pool.terminate()
+                pool = None
+            for writer in writers.values():
+                writer.abort()
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
         raise
     finally:
         bar.close()
@@ -414,6 +421,31 @@ def prepare(
     return summary
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def interruptions_deferred(reraise: bool = True) -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP inside the block are held until it ends (then raised as one
+    KeyboardInterrupt, or dropped with reraise=False: the clean-up that an interruption started)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held and reraise:
+        raise KeyboardInterrupt(signal.Signals(held[0]).name)
+
+
 def _print_summary(out: Path, summary: dict[str, Any]) -> None:
     elapsed = summary["elapsed_s"]
     print(f"prepared {out}  ({summary['input_bytes'] / 1e6:.1f} MB of input in {elapsed:.1f} s, "
@@ -423,7 +455,18 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
             f"  {p:5s} {part['documents']:>10,} documents  {part['num_tokens']:>14,} tokens  "
             f"{part['text_bytes']:>14,} bytes  {out / p}  sha256 {part['sha256'][:16]}"
         )
-    print(f"train with: python -m trmoe.train data=tokens data.path={out}")
+    print(f"train with: python -m trmoe.train data=tokens {train_override('data.path', out)}")
+
+
+def train_override(key: str, value: Path | str) -> str:
+    """`key=value` as one shell word that Hydra reads back as `value`: quoted for Hydra when the path holds
+    anything but plain path characters (a space, a comma, a bracket), and for the shell around that."""
+    text = str(value)
+    if re.fullmatch(r"[\w./:+~-]+", text):
+        return f"{key}={text}"
+    hydra = "'" + text.replace("'", "\\'") + "'"
+    word = f"{key}={hydra}"
+    return f'"{word}"' if not re.search(r'["$`\\!]', word) else shlex.quote(word)
 
 
 def _verify(paths: list[str]) -> None:
@@ -471,6 +514,8 @@ def _parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stop in STOPS[1:]:  # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once)
+        signal.signal(stop, _interrupt)
     try:
         if argv[:1] == ["verify"]:
             verify = Parser(prog="python -m trmoe.data.prepare verify")
@@ -493,9 +538,10 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         print(f"trmoe: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("trmoe: data.prepare: interrupted; partial files removed", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        name = str(exc) if str(exc) in signal.Signals.__members__ else "SIGINT"
+        print(f"trmoe: data.prepare: interrupted ({name}); partial files removed", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name])
 
 
 if __name__ == "__main__":

@@ -122,7 +122,9 @@ def read_index(directory: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise _fail(path, f"cannot read ({exc})") from None
     except json.JSONDecodeError as exc:
-        raise _fail(path, f"malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise _fail(
+            path, f"malformed JSON ({exc.msg.removesuffix(' at')} at line {exc.lineno} column {exc.colno})"
+        ) from None
     if not isinstance(index, dict):
         raise _fail(path, "malformed: the top level must be a JSON object")
     if index.get("format") == LEGACY_FORMAT:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trmoe.model.kv_cache import KVCache
+
 
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * w, computed in fp32 for stability, weight initialised to 1."""
@@ -58,7 +60,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """x [B, S, H] -> [B, S, H]. With a cache (decoding): the S new positions attend to the cached ones
+        and to each other causally, and their keys and values join layer `layer`'s part of the cache."""
         B, S, _ = x.shape
         d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
         q, k, v = self.qkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -69,5 +80,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA/MQA: SDPA broadcasts each key/value head over its group of query heads.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
+        else:
+            mask = cache.mask(S)
+            k, v = cache.append(layer, k, v)
+            causal = mask is None and cache.length == 0
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hkv != hq
+            )
         return self.out(y.transpose(1, 2).reshape(B, S, hq * d))

@@ -34,6 +34,31 @@ if TYPE_CHECKING:  # no torch import at run time: the run reports use flops_term
     from trmoe.model.transformer import ModelSpec, ParamCounts
 
 
+# Dense datasheet peaks per device (FLOP/s): bf16 tensor-core, and plain fp32 (no TF32), matched by a
+# substring of the device name. The live MFU (metrics.csv), the run report and `trmoe.bench step` use them;
+# `hardware.peak_tflops` (or the report's --peak-tflops) overrides them, and any other device is measured.
+DATASHEET_PEAKS: dict[str, dict[str, float]] = {
+    "B200": {"bf16": 2250e12, "fp32": 80e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp32": 31.2e12},
+    "L4": {"bf16": 121e12, "fp32": 30.3e12},
+    "MI300X": {"bf16": 1307e12, "fp32": 163.4e12},
+    "MI250X": {"bf16": 383e12, "fp32": 47.9e12},
+}
+
+
+def datasheet_peak(device_name: str, precision: str) -> float | None:
+    """The datasheet peak of a known GPU for `precision` ("bf16"/"fp16" use the bf16 figure), else None."""
+    column = "fp32" if precision in ("fp32", "float32") else "bf16"
+    for key, peaks in DATASHEET_PEAKS.items():
+        if key in device_name:
+            return peaks[column]
+    return None
+
+
 @dataclass(frozen=True)
 class FlopsPerToken:
     dense: int  # 6 x active non-embedding parameters

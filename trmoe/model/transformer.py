@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.attention import Attention, RMSNorm, rope_cache
+from trmoe.model.kv_cache import KVCache
 from trmoe.model.moe import TRMoEFFN
 from trmoe.model.spec import ModelSpec
 
@@ -34,8 +35,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.ffn = TRMoEFFN(spec, layer)
 
-    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        h = h + self.attn(self.attn_norm(h), cos, sin)
+    def forward(
+        self,
+        h: torch.Tensor,
+        token_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ):
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache, layer)
         return h + self.ffn(self.ffn_norm(h), token_ids)
 
 
@@ -92,8 +101,11 @@ class TRMoETransformer(nn.Module):
         aux, z = zip(*terms, strict=True)
         return {"aux": torch.stack(aux).mean(), "z": torch.stack(z).mean()}
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss)."""
+    def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss).
+        With a cache: token_ids are the next S positions after those it holds (decoding, trmoe.generate)."""
+        if cache is not None:
+            return self._forward_cached(token_ids, cache)
         seq = token_ids.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         sparse = self.sparse_embedding_grad and not torch.compiler.is_compiling()  # compiled graphs: dense
@@ -105,6 +117,31 @@ class TRMoETransformer(nn.Module):
             else:
                 h = block(h, token_ids, cos, sin)
         return self.norm(h)
+
+    def _forward_cached(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        new = token_ids.shape[1]
+        positions = cache.positions(new)  # [B, S]: per row, as left padding shifts them (< capacity)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        h = self.embed(token_ids)
+        for layer, block in enumerate(self.blocks):
+            h = block(h, token_ids, cos, sin, cache, layer)
+        cache.advance(new)
+        return self.norm(h)
+
+    def new_cache(self, batch: int, capacity: int, pad: torch.Tensor | None = None) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `capacity` positions, in the model's dtype and device
+        (`pad` [B]: left-padding slots per row)."""
+        spec, weight = self.spec, self.embed.weight
+        return KVCache(
+            spec.num_layers,
+            batch,
+            spec.num_kv_heads,
+            spec.head_dim,
+            min(capacity, spec.max_seq_len),
+            dtype=weight.dtype,
+            device=weight.device,
+            pad=pad,
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits over the real vocabulary (small inputs only: [.., vocab] floats)."""

@@ -116,6 +116,17 @@ def render(plan: dict) -> str:
         ("tokens", f"{run['tokens']:,}", "steps x tokens per step"),
         ("launch", "", run["launch"]),
     ]
+    if plan.get("mixture"):
+        rows.append("data mixture  (each source over the run; a source wraps around when it runs out)")
+        for name, src in plan["mixture"].items():
+            epochs = "a stream: length unknown" if src["epochs"] is None else f"{src['epochs']:.2f} epochs"
+            rows.append(
+                (
+                    f"  {name}",
+                    f"{src['tokens']:,}",
+                    f"tokens ({src['share']:.1%} of the samples, {src['samples']:,} samples); {epochs}",
+                )
+            )
     per = fl["per_token"]
     pf_days = fl["total"] / (1e15 * 86400)
     rows.append("compute  (training, forward + backward; trmoe.model.flops)")

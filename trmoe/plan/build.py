@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trmoe.config.resolve import compose_packaged
-from trmoe.config.schema import Config, Device, Precision
+from trmoe.config.schema import Config, DataSource, Device, Precision
 from trmoe.errors import UserError
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -180,6 +180,14 @@ def make_plan(
     dtype, precision_note = plan_precision(cfg)
     memory = estimate_memory(model, spec, counts, cfg, strategy, w.size, dtype)
 
+    mixture = None
+    if cfg.data.source == DataSource.mixture:  # samples, tokens and epochs of each source over the run
+        from trmoe.data.pipeline import build_data
+
+        data = build_data(cfg, spec.vocab_size, world_size=w.size)
+        data.close()
+        mixture = data.info["plan"]
+
     # a submitit launcher submits from a multirun
     train_command = "python -m trmoe.train" + (" --multirun" if w.launcher.startswith("submitit") else "")
     launch = [train_command, *(o for o in overrides if _key(o) != "trainer.steps"), f"trainer.steps={steps}"]
@@ -224,6 +232,7 @@ def make_plan(
             "total": flops.total * run_tokens,
         },
         "memory": memory.to_dict(),
+        "mixture": mixture,
         "time": eta(throughput, flops.total, w.size, tokens_per_step, run_tokens)
         or {"tok_s": None, "how_to_measure": how_to_measure(cfg, choices, overrides, train_command)},
     }

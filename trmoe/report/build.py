@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,9 @@ from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
 from trmoe.report.runs import Run, common_root, load_runs
+from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
+from trmoe.train.records import write_atomic
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
@@ -39,6 +42,7 @@ class Report:
     plots: list[Path] = field(default_factory=list)
     plots_note: str = ""
     markdown: str = ""
+    study: Study | None = None  # an Optuna search: its jobs are ranked as trials, not compared as arms
 
 
 def _count(n: int, noun: str) -> str:
@@ -65,8 +69,10 @@ def _match_cell(run: Run) -> str:
     return f"{m.get('field')}={m.get('width')} ({residual})"
 
 
-def _status_cell(run: Run) -> str:
+def _status_cell(run: Run, summary: Summary) -> str:
     notes = list(run.unreadable)  # e.g. "run_config.json unreadable: not valid JSON"
+    notes += [f"diverged: {summary.diverged}"] * bool(summary.diverged)
+    notes += [f"records disagree: {d}" for d in summary.disagreements]
     if run.status == "failed":
         return "; ".join([f"failed: {run.error or 'no error line'}", *notes])
     if run.error:  # e.g. preempted: why it stopped
@@ -81,16 +87,47 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _study_lines(rep: Report) -> list[str]:
+    """The trials of an Optuna search, best first, its searched keys as columns."""
+    study = rep.study
+    finals = {name: s.final_eval for name, s in rep.summaries.items()}
+    header = ["rank", "trial", "status", "final eval", *[f"`{k}`" for k in study.params]]
+    header += ["best eval", "train loss", "tok/s"]
+    rows = []
+    for rank, run in enumerate(study.ranked(rep.runs, finals), 1):
+        s = rep.summaries[run.name]
+        rows.append(
+            [str(rank), run.name, _status_cell(run, s), _num(s.final_eval)]
+            + [run.value_of(k) for k in study.params]
+            + [_num(s.best_eval), _num(s.train_loss)]
+            + ["n/a" if s.median_tok_s is None else f"{s.median_tok_s:,.0f}"]
+        )
+    return ["## Trials", "", *_table(header, rows)]
+
+
 def render_markdown(rep: Report, title: str) -> str:
     runs, arms = rep.runs, rep.arms
     finished = sum(r.status == "finished" for r in runs)
     keys = swept_keys(runs)
+    if rep.study is not None:
+        best = rep.study.ranked(runs, {n: s.final_eval for n, s in rep.summaries.items()})[0]
+        summary = (
+            f"{_count(len(runs), 'trial')} ({finished} finished) of the Optuna study `{rep.study.name}` "
+            f"({rep.study.direction} the final held-out loss); searched: "
+            + ", ".join(f"`{k}`" for k in rep.study.params)
+            + f". Best: trial `{best.name}`, final eval {_num(rep.summaries[best.name].final_eval)}."
+        )
+    else:
+        summary = (
+            f"{_count(len(runs), 'run')} ({finished} finished) in {_count(len(arms), 'arm')}; swept keys: "
+            + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
+            + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; "
+            f"{rep.control_note}."
+        )
     lines = [
         f"# Report: {title}",
         "",
-        f"{_count(len(runs), 'run')} ({finished} finished) in {_count(len(arms), 'arm')}; swept keys: "
-        + (", ".join(f"`{k}`" for k in keys) or "none (separate runs)")
-        + f". Control arm: {('`' + rep.control.label + '`') if rep.control else 'none'}; {rep.control_note}.",
+        summary,
         f"Written by `python -m trmoe.report` on {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         "## Warnings",
@@ -103,6 +140,8 @@ def render_markdown(rep: Report, title: str) -> str:
             "None: beyond the swept keys, the runs match on every item of the comparability checklist below."
         )
     estimated = any(s.bpb_estimated for s in rep.summaries.values())
+    if rep.study is not None:
+        lines += ["", *_study_lines(rep)]
     lines += ["", "## Runs", ""]
     bpb = "eval bpb" + (" *" if estimated else "")
     header = ["run", "arm", "seed", "status", "params", "active", "matched width", "tokens", "final eval"]
@@ -116,7 +155,7 @@ def render_markdown(rep: Report, title: str) -> str:
                     run.name,
                     arm.label,
                     str(run.seed) if run.seed is not None else "n/a",
-                    _status_cell(run),
+                    _status_cell(run, s),
                     _int(s.params_total),
                     _int(s.params_active),
                     _match_cell(run),
@@ -132,8 +171,9 @@ def render_markdown(rep: Report, title: str) -> str:
     lines += _table(header, rows)
     lines += [
         "",
-        "Losses are cross-entropy in nats per token on the fixed held-out batches (final = last "
-        f"evaluation). tok/s is the median of the logged windows after step {THROUGHPUT_WARMUP_STEPS}, "
+        "Losses are cross-entropy in nats per token on the fixed held-out batches (final = the evaluation at "
+        "the run's final step, never an earlier one). tok/s is the median of the logged windows after step "
+        f"{THROUGHPUT_WARMUP_STEPS}, "
         "evaluation rows left out. MFU needs a known peak: a bf16 GPU datasheet or `--peak-tflops`; "
         "n/a otherwise.",
     ]
@@ -144,7 +184,9 @@ def render_markdown(rep: Report, title: str) -> str:
         )
 
     lines += ["", "## Paired comparison with the control", ""]
-    if rep.control is None:
+    if rep.study is not None:
+        lines.append("An Optuna search: its trials are ranked above, not paired with a control.")
+    elif rep.control is None:
         lines.append(f"No control arm: {rep.control_note}.")
     elif not rep.pairs:
         lines.append("Only one arm: nothing to compare.")
@@ -174,6 +216,15 @@ def render_markdown(rep: Report, title: str) -> str:
             ["arm", "seeds", "control loss", "arm loss", "mean Δ", "95% interval", "Δ per seed", "reading"],
             prow,
         )
+        left_out = list(dict.fromkeys(e for p in rep.pairs for e in p.excluded))
+        if left_out:
+            lines += [
+                "",
+                f"Left out of the paired comparison ({len(left_out)}): " + "; ".join(left_out) + ".",
+            ]
+
+    lines += _per_source_section(rep)
+    lines += _accuracy_section(rep)
 
     lines += ["", "## Comparability checklist", ""]
     lines.append(
@@ -211,11 +262,135 @@ def render_markdown(rep: Report, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _seen(rep: Report, field_name: str) -> list[str]:
+    """The keys of one Summary mapping (`field_name`) that any run recorded, in first-seen order."""
+    names: dict[str, None] = {}
+    for run in rep.runs:
+        names.update(dict.fromkeys(getattr(rep.summaries[run.name], field_name)))
+    return list(names)
+
+
+def source_names(rep: Report) -> list[str]:
+    """The mixture sources any run evaluated separately, in first-seen order."""
+    return _seen(rep, "sources")
+
+
+def _per_source_section(rep: Report) -> list[str]:
+    """data=mixture: each arm's final held-out loss and bpb per source, and the paired Δ against the control
+    per source (the same seeds and Student-t interval as the overall comparison)."""
+    names = source_names(rep)
+    if not names:
+        return []
+    lines = [
+        "",
+        "## Per-source held-out loss",
+        "",
+        "Runs on a mixture (`data=mixture`) score each source's held-out split separately "
+        "(`eval_loss/<source>`, `eval_bpb/<source>` in metrics.csv). Loss and bpb: the mean over the arm's "
+        "finished seeds of the final evaluation; Δ: the arm minus the control on the same seed, with its 95% "
+        "Student-t interval.",
+        "",
+    ]
+    rows = []
+    for name in names:
+
+        def loss(s: Summary, name: str = name) -> float | None:
+            return s.sources.get(name, (None, None))[0]
+
+        pairs = (
+            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, loss)}
+            if rep.control
+            else {}
+        )
+        for arm in rep.arms:
+            done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
+            losses = [v for v in (loss(s) for s in done) if v is not None]
+            bpbs = [v for v in (s.sources.get(name, (None, None))[1] for s in done) if v is not None]
+            p = pairs.get(arm.label)
+            rows.append(
+                [
+                    name,
+                    arm.label,
+                    str(len(losses)),
+                    _num(sum(losses) / len(losses) if losses else None),
+                    _num(sum(bpbs) / len(bpbs) if bpbs else None),
+                    *_pair_cells(arm is rep.control, p),
+                ]
+            )
+    return lines + _table(
+        ["source", "arm", "seeds", "final loss", "bpb", "mean Δ", "95% interval", "reading"], rows
+    )
+
+
+def _pair_cells(is_control: bool, p: Pair | None) -> list[str]:
+    """The mean difference, its interval and its reading: the last three cells of a per-arm paired table."""
+    mean = "control" if is_control else ("n/a" if p is None or p.mean is None else f"{p.mean:+.4f}")
+    ci = p.interval if p else None
+    return [mean, "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]", "-" if p is None else p.verdict]
+
+
+def accuracy_columns(rep: Report) -> list[str]:
+    """The downstream accuracy columns (acc/<task>, acc_norm/<task>) any run recorded, first-seen order."""
+    return _seen(rep, "accuracies")
+
+
+def _accuracy_section(rep: Report) -> list[str]:
+    """downstream.tasks: each arm's final accuracy per task and metric, and the paired Δ against the control
+    (the same seeds and Student-t interval as the loss)."""
+    columns = accuracy_columns(rep)
+    if not columns:
+        return []
+    lines = [
+        "",
+        "## Downstream accuracy",
+        "",
+        "Runs with `downstream.tasks` score lm-evaluation-harness tasks on a fixed subset during training "
+        "(`acc/<task>`, `acc_norm/<task>` in metrics.csv). **Higher is better** (unlike the losses above). "
+        "Accuracy: the mean over the arm's finished seeds of the evaluation at the final step; Δ: the arm "
+        "minus the control on the same seed, with its 95% Student-t interval (a positive Δ: more accurate "
+        "than the control).",
+        "",
+    ]
+    rows = []
+    for column in columns:
+        metric, task = column.split("/", 1)
+
+        def value(s: Summary, column: str = column) -> float | None:
+            return s.accuracies.get(column)
+
+        pairs = (
+            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, value)}
+            if rep.control
+            else {}
+        )
+        for arm in rep.arms:
+            done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
+            values = [v for v in (value(s) for s in done) if v is not None]
+            p = pairs.get(arm.label)
+            rows.append(
+                [
+                    task,
+                    metric,
+                    arm.label,
+                    str(len(values)),
+                    _num(sum(values) / len(values) if values else None),
+                    *_pair_cells(arm is rep.control, p),
+                ]
+            )
+    return lines + _table(
+        ["task", "metric", "arm", "seeds", "final accuracy", "mean Δ", "95% interval", "reading"], rows
+    )
+
+
 def _runs_csv(rep: Report) -> str:
     keys = arm_keys(rep.runs)
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS])
+    names = source_names(rep)
+    per_source = [f"{kind}/{n}" for n in names for kind in ("final_eval_loss", "eval_bpb")]
+    accuracies = accuracy_columns(rep)  # final acc/<task>, acc_norm/<task>
+    header = ["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source, *accuracies]
+    writer.writerow(header)
     for arm in rep.arms:
         for run in arm.runs:
             s, m = rep.summaries[run.name], run.record.get("param_match") or {}
@@ -224,6 +399,8 @@ def _runs_csv(rep: Report) -> str:
                 + [run.error or "", s.params_total, s.params_active, m.get("field"), m.get("width")]
                 + [m.get("residual"), s.tokens, s.final_eval, s.best_eval, s.eval_bpb, s.bpb_estimated]
                 + [s.train_loss, s.median_tok_s, s.mfu]
+                + [v for n in names for v in s.sources.get(n, (None, None))]
+                + [s.accuracies.get(c) for c in accuracies]
             )
     return buf.getvalue()
 
@@ -314,25 +491,55 @@ def build_report(
             f"report: --control {control}: matches no arm; allowed: an arm ({listed}), the name of one of "
             'its runs, or its swept overrides ("key=value ...")'
         )
+    study = load_study(list(dict.fromkeys(r.sweep.path for r in runs)))
+    if study is not None:  # trials are ranked, not compared with a control
+        control_arm, control_note = None, "an Optuna search"
     pairs = paired(arms, control_arm, summaries) if control_arm is not None else []
     warnings, checklist = check(runs, arms, summaries)
-    if spec and control_arm is None:
+    if spec and control_arm is None and study is None:
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
+    rep.study = study
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # checked above; here: no permission, or a file put there since
         raise UserError(f"report: --out {folder}: cannot create the directory ({e.strerror or e})") from None
+    _check_writable(folder)
     if not make_plots:
         rep.plots_note = "Plots were not requested (--no-plots)."
     elif not plots.available():
         rep.plots_note = "No plots: matplotlib is not installed (`pip install 'trmoe[report]'`)."
-    else:
-        rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR)
     title = str(paths[0]) if len(paths) == 1 else f"{len(paths)} paths under {folder}"
-    rep.markdown = render_markdown(rep, title)
-    (folder / REPORT_MD).write_text(rep.markdown)
-    (folder / REPORT_CSV).write_text(_runs_csv(rep))
-    (folder / PAIRS_CSV).write_text(_pairs_csv(rep))
+    try:
+        if make_plots and plots.available():
+            accuracy_pairs = {
+                c: paired(arms, control_arm, summaries, lambda s, c=c: s.accuracies.get(c))
+                if control_arm is not None
+                else []
+                for c in accuracy_columns(rep)
+            }
+            rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR, accuracy_pairs)
+        rep.markdown = render_markdown(rep, title)
+        for name, text in (
+            (REPORT_CSV, _runs_csv(rep)),
+            (PAIRS_CSV, _pairs_csv(rep)),
+            (REPORT_MD, rep.markdown),
+        ):
+            write_atomic(folder / name, text)
+    except OSError as e:  # a disk that filled meanwhile: each file is whole or as it was
+        raise UserError(f"report: cannot write the report into {folder} ({e.strerror or e})") from None
     return rep
+
+
+def _check_writable(folder: Path) -> None:
+    """Before any write: a read-only sweep directory (or a full disk) is one line naming --out, not a
+    traceback after half the plots."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".report-", suffix=".tmp") as probe:
+            probe.write(b"x")
+            probe.flush()
+    except OSError as e:
+        raise UserError(
+            f"report: cannot write into {folder} ({e.strerror or e}); use --out DIR to write it elsewhere"
+        ) from None

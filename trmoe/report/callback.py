@@ -23,6 +23,9 @@ class ReportCallback(Callback):
         if not sweep_dir.is_dir():
             return
         from trmoe.report.build import REPORT_MD, build_report
+        from trmoe.report.study import save_multirun_config
+
+        save_multirun_config(sweep_dir, config)  # an Optuna sweep: its searched keys and study
 
         try:
             rep = build_report([sweep_dir], sweep_dir, control=self.control)

@@ -227,6 +227,18 @@ def check(
             f"{len(unfinished)} run(s) not finished (running, or stopped without a status): "
             + ", ".join(r.name for r in unfinished)
         )
+    diverged = [r for r in runs if summaries[r.name].diverged]
+    if diverged:
+        warnings.append(
+            f"{len(diverged)} run(s) diverged (left out of the paired comparison): "
+            + "; ".join(f"{r.name}: {summaries[r.name].diverged}" for r in diverged)
+        )
+    disagree = [r for r in runs if summaries[r.name].disagreements]
+    if disagree:
+        warnings.append(
+            f"{len(disagree)} run(s) whose records disagree: "
+            + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
+        )
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:
         warnings.append(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
@@ -124,6 +125,7 @@ class Pair:
     deltas: list[float]  # arm - control, per seed
     arm_mean: float | None
     control_mean: float | None
+    excluded: list[str] = field(default_factory=list)  # runs of either arm left out, each with the reason
 
     @property
     def n(self) -> int:
@@ -154,21 +156,35 @@ class Pair:
         return "within noise (the interval contains 0)"
 
 
-def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list[Pair]:
-    def by_seed(arm: Arm) -> dict[int, float]:
+def paired(
+    arms: list[Arm],
+    control: Arm,
+    summaries: dict[str, Summary],
+    value: Callable[[Summary], float | None] = lambda s: s.final_eval,
+) -> list[Pair]:
+    """Each arm against the control on `value` (default: the final held-out loss), seed by seed: the seeds
+    both it and the control finished; a diverged run (trmoe.report.integrity) is left out, with the reason,
+    so that its non-finite or untrained loss never enters a mean or an interval."""
+
+    def by_seed(arm: Arm, excluded: list[str]) -> dict[int, float]:
         out = {}
         for run in arm.runs:
-            loss = summaries[run.name].final_eval
-            if run.status == FINISHED and run.seed is not None and loss is not None:
+            s = summaries[run.name]
+            loss = value(s)
+            if run.status == FINISHED and s.diverged:
+                excluded.append(f"{run.name} (seed {run.seed}): diverged: {s.diverged}")
+            elif run.status == FINISHED and run.seed is not None and loss is not None:
                 out[run.seed] = loss
         return out
 
-    base = by_seed(control)
+    control_excluded: list[str] = []
+    base = by_seed(control, control_excluded)
     pairs = []
     for arm in arms:
         if arm is control:
             continue
-        mine = by_seed(arm)
+        excluded = list(control_excluded)
+        mine = by_seed(arm, excluded)
         seeds = sorted(set(mine) & set(base))
         pairs.append(
             Pair(
@@ -177,6 +193,7 @@ def paired(arms: list[Arm], control: Arm, summaries: dict[str, Summary]) -> list
                 deltas=[mine[s] - base[s] for s in seeds],
                 arm_mean=statistics.fmean(mine[s] for s in seeds) if seeds else None,
                 control_mean=statistics.fmean(base[s] for s in seeds) if seeds else None,
+                excluded=excluded,
             )
         )
     return pairs

@@ -112,8 +112,35 @@ def plot_throughput(arms: list[Arm], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_pairs(pairs: list[Pair], control: Arm, path: Path) -> None:
-    """Mean paired difference of held-out loss per arm, with its 95% interval where there are 2+ seeds."""
+def plot_accuracy(arms: list[Arm], columns: list[str], path: Path) -> None:
+    """Downstream accuracy (acc/<task>, acc_norm/<task>) against tokens, one panel per column, one colour
+    per arm (seeds of an arm share it)."""
+    plt = _pyplot()
+    colors = _colors(arms)
+    fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 4), squeeze=False)
+    for ax, column in zip(axes[0], columns, strict=True):
+        for arm in arms:
+            for i, run in enumerate(arm.runs):
+                x, y = _xy(run, column)
+                if x:
+                    label = arm.label if i == 0 else None
+                    ax.plot(x, y, "o-", color=colors[arm.label], label=label, markersize=3, linewidth=1)
+        ax.set_title(f"{column} (higher is better)", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy")
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_pairs(
+    pairs: list[Pair], control: Arm, path: Path, what: str = "held-out loss minus control"
+) -> None:
+    """Mean paired difference of held-out loss (or `what`) per arm, with its 95% interval where there are
+    2+ seeds."""
     plt = _pyplot()
     shown = [p for p in pairs if p.mean is not None]
     fig, ax = plt.subplots(figsize=(8, max(2.5, 1.2 + 0.45 * len(shown))))  # title, axis: ~1.2 in
@@ -125,7 +152,7 @@ def plot_pairs(pairs: list[Pair], control: Arm, path: Path) -> None:
     ax.axvline(0.0, color="gray", linewidth=1)
     ax.set_yticks(range(len(shown)), [p.arm.label for p in shown], fontsize=7)
     ax.invert_yaxis()  # first arm on top, as in the table
-    ax.set_xlabel("held-out loss minus control (mean over seeds, 95% t interval)")
+    ax.set_xlabel(f"{what} (mean over seeds, 95% t interval)")
     ax.set_title(f"control: {control.label}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
@@ -187,9 +214,15 @@ def plot_shares(run: Run, path: Path) -> bool:
 
 
 def write_plots(
-    runs: list[Run], arms: list[Arm], pairs: list[Pair], control: Arm | None, folder: Path
+    runs: list[Run],
+    arms: list[Arm],
+    pairs: list[Pair],
+    control: Arm | None,
+    folder: Path,
+    accuracy_pairs: dict[str, list[Pair]] | None = None,
 ) -> list[Path]:
-    """Every plot of the report under folder/; returns the files written."""
+    """Every plot of the report under folder/; returns the files written. `accuracy_pairs`: each downstream
+    accuracy column's paired comparison with the control (an accuracy plot, and its paired deltas)."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     overlay = folder / "loss_vs_tokens.png"
@@ -202,6 +235,16 @@ def write_plots(
         deltas = folder / "paired_deltas.png"
         plot_pairs(pairs, control, deltas)
         written.append(deltas)
+    accuracy_pairs = accuracy_pairs or {}
+    if accuracy_pairs:
+        accuracy = folder / "accuracy_vs_tokens.png"
+        plot_accuracy(arms, list(accuracy_pairs), accuracy)
+        written.append(accuracy)
+    for column, column_pairs in accuracy_pairs.items():
+        if control is not None and any(p.mean is not None for p in column_pairs):
+            deltas = folder / f"paired_deltas_{_safe(column)}.png"
+            plot_pairs(column_pairs, control, deltas, f"{column} minus control (higher is better)")
+            written.append(deltas)
     for run in runs:
         if run.series("train_loss") or run.series("eval_loss"):
             path = folder / f"run_{_safe(run.name)}.png"

@@ -137,6 +137,7 @@ class Run:
     rows: list[dict[str, float]] = field(default_factory=list)
     status_inferred: bool = False
     unreadable: list[str] = field(default_factory=list)  # records there but not readable, one note each
+    status_record: dict = field(default_factory=dict)  # status.json as written ({} when absent)
 
     @property
     def config(self) -> dict:
@@ -282,6 +283,7 @@ def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
         rows=rows,
         status_inferred=inferred,
         unreadable=notes,
+        status_record=status_record,
     )
 
 

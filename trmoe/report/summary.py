@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from trmoe.model.flops import flops_terms
+from trmoe.model.flops import datasheet_peak, flops_terms
+from trmoe.report.integrity import assess, value_at
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
 # cache warm-up), leaving out the rows of evaluation steps.
 THROUGHPUT_WARMUP_STEPS = 10
-
-# Dense bf16 datasheet peaks (FLOP/s per device), used only for bf16/fp16 runs on these GPUs. Elsewhere MFU is
-# n/a unless a peak is given (`--peak-tflops`, e.g. one measured with `python -m trmoe.bench step`).
-DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "MI300X": 1307e12}
 
 
 @dataclass
@@ -31,10 +28,17 @@ class Summary:
     tokens: int | None  # tokens trained so far (the last logged row)
     params_total: int | None
     params_active: int | None
+    sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
+    # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
+    accuracies: dict[str, float | None] = field(default_factory=dict)  # downstream.tasks: the final
+    # acc/<task> and acc_norm/<task> (metrics.csv columns; higher is better)
+    diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
+    disagreements: list[str] = field(default_factory=list)  # its records contradict each other
 
 
-def _last(values: list[tuple[float, float, float]]) -> float | None:
-    return values[-1][2] if values else None
+def is_accuracy(column: str) -> bool:
+    """A downstream accuracy column of metrics.csv (trmoe.train.downstream): acc/<task>, acc_norm/<task>."""
+    return column.startswith(("acc/", "acc_norm/"))
 
 
 def throughput_rows(run: Run) -> list[tuple[float, float, float]]:
@@ -73,26 +77,28 @@ def peak_flops(run: Run, override: float | None) -> float | None:
         return None
     if backend.get("autocast_dtype") not in ("bfloat16", "float16"):
         return None  # an fp32 run on a GPU: the bf16 peak would understate its MFU's meaning
-    name = str(backend.get("device_name", ""))
-    return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
+    return datasheet_peak(str(backend.get("device_name", "")), "bf16")
 
 
 def summarize(run: Run, peak_override: float | None = None) -> Summary:
     evals = run.series("eval_loss")
-    final_eval = _last(evals)
+    end = assess(run)  # the final step and its figures only (a diverged run's NaN is not skipped)
+    final_eval = end.final_eval
     best_eval = min((v for _, _, v in evals), default=None)
 
-    bpb, estimated = _last(run.series("eval_bpb")), False
+    bpb, estimated = value_at(run, end.final_step, "eval_bpb"), False
+    bpb = bpb if bpb is not None and math.isfinite(bpb) else None
     split = (run.record.get("data") or {}).get("eval")
     split = split if isinstance(split, dict) else {}  # data=random describes its eval stream in words
-    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):
+    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):  # (NaN stays)
         # nats/token -> bits/byte with the held-out split's tokens per byte (the scored batches are a prefix)
         bpb, estimated = final_eval / math.log(2) * split["tokens"] / split["bytes"], True
 
     rows = throughput_rows(run)
     median_tok_s = statistics.median(v for _, _, v in rows) if rows else None
     mfu = None
-    if run.has_column("mfu"):
+    if run.has_column("mfu") and not peak_override:  # recorded against the run's own peak; an explicit
+        # peak (report --peak-tflops) re-derives it from tok/s below
         recorded = [v for s, _, v in run.series("mfu") if s in {r[0] for r in rows}]
         mfu = statistics.median(recorded) if recorded else None
     if mfu is None and median_tok_s is not None:
@@ -109,11 +115,22 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         best_eval=best_eval,
         eval_bpb=bpb,
         bpb_estimated=estimated,
-        train_loss=_last(run.series("train_loss")),
+        train_loss=value_at(run, end.final_step, "train_loss"),
         median_tok_s=median_tok_s,
         tok_s_rows=[int(s) for s, _, _ in rows],
         mfu=mfu,
         tokens=int(tokens[-1][2]) if tokens else None,
         params_total=params.get("total"),
         params_active=params.get("active"),
+        sources={
+            c.split("/", 1)[1]: (
+                value_at(run, end.final_step, c),
+                value_at(run, end.final_step, "eval_bpb/" + c.split("/", 1)[1]),
+            )
+            for c in run.columns
+            if c.startswith("eval_loss/")
+        },
+        accuracies={c: value_at(run, end.final_step, c) for c in run.columns if is_accuracy(c)},
+        diverged=end.diverged,
+        disagreements=end.disagreements,
     )

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import re
+import types
 import typing
 from pathlib import Path
 
@@ -25,13 +26,43 @@ SECTIONS = [
     ("routing", schema.RoutingConfig, "Route tables or a learned router (see docs/routing.md)."),
     ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
     ("data", schema.DataConfig, "Training and held-out data."),
+    ("data.sources.<name>", schema.MixtureSourceConfig, "One source of `data=mixture` (see docs/data.md)."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),
     ("loss", schema.LossConfig, "Training objective."),
     ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
     ("run", schema.RunConfig, "Run naming and display (top level of conf/config.yaml)."),
     ("telemetry", schema.TelemetryConfig, "Expert telemetry (see docs/training.md; top level)."),
+    (
+        "downstream",
+        schema.DownstreamConfig,
+        "Downstream task accuracy during training (see docs/after_training.md; top level).",
+    ),
     ("checkpoint", schema.CheckpointConfig, "Checkpoint cadence and retention (see docs/reliability.md)."),
     ("guard", schema.GuardConfig, "Fault guards: non-finite steps, loss spikes (see docs/reliability.md)."),
+    (
+        "logger",
+        None,
+        "Experiment trackers beside metrics.csv (always written): `logger=tensorboard`, several at once with "
+        "`logger=[tensorboard,mlflow]`. Each logs metrics.csv's scalars, with `telemetry.moe=true` the "
+        "per-layer rows of telemetry.csv (docs/training.md), the resolved config as hyper-parameters and the "
+        "run's identity; rank 0 only; a resumed run continues the same tracker run. "
+        "The trackers need the `trackers` extra (`pip install 'trmoe[trackers]'`).",
+    ),
+    ("logger.tensorboard", schema.TensorBoardLogger, "`logger=tensorboard`: TensorBoard event files."),
+    ("logger.mlflow", schema.MLflowLogger, "`logger=mlflow`: MLflow (a local file store by default)."),
+    ("logger.wandb", schema.WandbLogger, "`logger=wandb`: Weights & Biases (offline by default)."),
+    (
+        "debug",
+        schema.DebugConfig,
+        "Debugging aids; the presets also set trainer and checkpoint keys (conf/debug/*.yaml).",
+    ),
+    (
+        "hparams_search",
+        None,
+        "Optuna hyper-parameter searches (hydra-optuna-sweeper, the `search` extra): each preset sets "
+        "Hydra's sweeper, its study and the searched keys (conf/hparams_search/*.yaml); every trial is a "
+        "training job whose returned value (the final held-out loss) Optuna minimises.",
+    ),
 ]
 
 
@@ -48,14 +79,14 @@ def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " \\| ".join(m.value for m in tp)
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):  # Optional[X] and X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_name(args[0])} or null"
     return getattr(tp, "__name__", str(tp))
 
 
 def _default(f: dataclasses.Field) -> str:
-    value = f.default
+    value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     if value is dataclasses.MISSING or value == "???":
         return "(set by the profile)"
     if isinstance(value, enum.Enum):
@@ -82,6 +113,9 @@ def render() -> str:
         "",
     ]
     for name, cls, title in SECTIONS:
+        if cls is None:  # a group of options without keys of its own
+            out += [f"## `{name}`", "", title, "", _options(name).rstrip("\n"), ""]
+            continue
         hints = typing.get_type_hints(cls)
         comments = _field_comments(cls)
         out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]

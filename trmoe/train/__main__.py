@@ -54,9 +54,16 @@ def _app(cfg: DictConfig) -> float:
     sweeping = hc.mode == RunMode.MULTIRUN
     try:
         return train(cfg, run_dir)
-    except Preempted as e:  # SIGUSR2/SIGTERM: checkpoint saved; requeue (submitit) or exit 128 + signal
+    except Preempted as e:  # a stop signal: checkpoint saved; requeue (submitit) or exit 128 + signal
         print(f"trmoe: {e}", file=sys.stderr)
         hand_over(e)
+    except KeyboardInterrupt:  # Ctrl-C outside the step loop, or twice: no traceback
+        _remove_empty_dirs(run_dir)  # interrupted before it wrote anything
+        print(
+            f"trmoe: interrupted; a rerun of {run_dir} resumes from its newest complete checkpoint",
+            file=sys.stderr,
+        )
+        sys.exit(130)
     except UserError as e:
         if sweeping:
             return _sweep_job_failed(run_dir, e)
@@ -85,10 +92,12 @@ def _is_composition_error(e: BaseException) -> bool:
     """A config that cannot be composed (Hydra's and OmegaConf's exceptions, and the ValueError of Hydra's
     defaults list for a group override it cannot take, e.g. `hydra/launcher=5`), as opposed to a failure of
     the job itself, which keeps its traceback."""
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(e, HydraException | OmegaConfBaseException | ValueError)
+    # (yaml: a broken file under --config-dir)
+    return isinstance(e, HydraException | OmegaConfBaseException | ValueError | yaml.YAMLError)
 
 
 def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
@@ -121,9 +130,10 @@ def _precheck(argv: list[str]) -> None:
     check_group_overrides(args.overrides)
     if args.help or args.hydra_help or args.cfg or args.info or args.run:
         return
-    if not args.multirun and not any(o.startswith("experiment=") for o in args.overrides):
-        return  # only a grid (experiment=...) switches to a sweep by itself
-    jobs, multirun = sweep_jobs(args.overrides)
+    switches = ("experiment=", "hparams_search=")
+    if not args.multirun and not any(o.startswith(switches) for o in args.overrides):
+        return  # only a grid (experiment=...) or a search switches to a sweep by itself
+    jobs, multirun = sweep_jobs(args.overrides, cli_multirun=args.multirun)
     if args.multirun or multirun:
         check_jobs_compose(jobs)
 

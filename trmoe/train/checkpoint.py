@@ -16,6 +16,9 @@ rename) and are checkpoints beyond `keep_last` pruned, oldest first; the newest 
 checks every file against meta.json (size and CRC32) first, so a truncated or corrupted checkpoint is
 reported and the previous complete one is used instead (`newest_good`).
 
+The store owns its cadence (`due`): every `every_steps` steps and at the end; with checkpoint.enabled=false
+never, and `save` refuses: such a run cannot be resumed (a rerun starts again at step 0).
+
 Distributed (world size > 1, or checkpoint.format=dcp): every rank calls `save` and `load`; model and
 optimizer go through torch.distributed.checkpoint (each rank writes its own part), each rank writes its own
 rank_XXXXX.pt, and rank 0 alone writes meta.json, renames, updates `latest` and prunes.
@@ -49,7 +52,11 @@ from trmoe.train.rundir import CHECKPOINTS, RunDir
 
 log = logging.getLogger("trmoe")
 
-FORMAT_VERSION = 1
+# 2: meta.json carries `meta_crc32`, the CRC32 of its own content (a single flipped bit cannot turn the 2
+# into the 1 of the unsealed format, nor make the seal's key vanish unnoticed). 1 is still read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+SEAL = "meta_crc32"
 META = "meta.json"
 LATEST = "latest"
 TORCH_PAYLOAD = "model_optim.pt"
@@ -265,6 +272,33 @@ _META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 _OPTIONAL = ("config", "derived", "data", "metrics", "eval_loss")
 
 
+def _meta_text(record: dict[str, Any]) -> str:
+    return json.dumps(record, indent=1, sort_keys=True) + "\n"
+
+
+def seal_meta(record: dict[str, Any]) -> str:
+    """meta.json's text: `record` with the CRC32 of its canonical text (`meta_crc32`), so that every byte a
+    resume relies on is verified, the step and the other files' checksums included."""
+    record = {k: v for k, v in record.items() if k != SEAL}
+    record["format_version"] = FORMAT_VERSION
+    return _meta_text({**record, SEAL: zlib.crc32(_meta_text(record).encode())})
+
+
+def _check_seal(path: Path, meta: dict[str, Any]) -> None:
+    """The seal of a version-2 meta.json, and its step against the directory's name (`step_N`)."""
+    if meta["format_version"] >= 2:
+        content = {k: v for k, v in meta.items() if k != SEAL}
+        if SEAL not in meta or meta[SEAL] != zlib.crc32(_meta_text(content).encode()):
+            raise CheckpointError(f"{path}: {META}: CRC32 mismatch (corrupted)")
+    named = STEP_DIR.match(path.name) or REPLACED_DIR.match(path.name)
+    if named is not None:
+        name_step = int(named.group(1).removeprefix("step_"))
+        if name_step != meta["step"]:
+            raise CheckpointError(
+                f"{path}: {META} says step {meta['step']}, the directory's name {name_step}"
+            )
+
+
 def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
     for key, (valid, expected) in _META_FIELDS.items():
         if key in meta and not valid(meta[key]):
@@ -279,8 +313,8 @@ class CheckpointStore:
 
     `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
     when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
-    the rename, `latest` and the pruning. `every_steps`: the cadence `maybe_save` keeps (0 = only the final
-    step and the saves a caller forces)."""
+    the rename, `latest` and the pruning. `every_steps` and `enabled`: the save cadence (`due`, `maybe_save`;
+    every_steps=0 = only the final step and the saves a caller forces)."""
 
     def __init__(
         self,
@@ -291,6 +325,7 @@ class CheckpointStore:
         rank: int = 0,
         world_size: int = 1,
         every_steps: int = 0,
+        enabled: bool = True,
     ):
         if format not in ("torch", "dcp"):
             raise ValueError(f"checkpoint format must be torch or dcp, got {format!r}")
@@ -302,7 +337,9 @@ class CheckpointStore:
         self.rank = rank
         self.world_size = world_size
         self.every_steps = every_steps
+        self.enabled = enabled
         self.last_saved: int | None = None  # the step this process saved last (maybe_save)
+        self.last_failure = ""  # why the last save failed (for the run's one line)
 
     @classmethod
     def for_run(
@@ -324,13 +361,15 @@ class CheckpointStore:
             rank=rank,
             world_size=world_size,
             every_steps=cfg.every_steps,
+            enabled=cfg.enabled,
         )
 
     # -------------------------------------------------------------------------------------------- cadence
 
     def due(self, step: int, *, final: bool = False) -> bool:
-        """Whether `step` is a checkpoint step: every `every_steps`, and the final step of a run."""
-        return final or (self.every_steps > 0 and step % self.every_steps == 0)
+        """Whether step `step` is saved: every `every_steps` steps (0 = none) and when `final` (the last
+        step, a guard's stop, a stop signal); never when the store is disabled."""
+        return self.enabled and (final or (self.every_steps > 0 and step % self.every_steps == 0))
 
     def maybe_save(
         self, step: int, state: Callable[[], dict[str, Any]], *, final: bool = False
@@ -340,18 +379,17 @@ class CheckpointStore:
         return self.try_save(step, state) if self.due(step, final=final) else None
 
     def try_save(self, step: int, state: Callable[[], dict[str, Any]]) -> bool:
-        """Save `step` now; a failed write (full disk, I/O error) is logged and returns False: the previous
-        checkpoints stay, and the caller decides whether the run can go on without this one."""
+        """Save `step` now; a failed write (full disk, I/O error) is logged and returns False (the reason in
+        `last_failure`): the previous checkpoints stay, and the caller decides whether the run can go on
+        without this one."""
         try:
             self.save(step, **state())
         except OSError as e:
             good = self.newest_good()
-            log.error(
-                "checkpoint at step %d failed: %s; the newest complete checkpoint is still %s",
-                step,
-                e,
-                good.path.name if good else "none",
+            self.last_failure = (
+                f"{e}; the newest complete checkpoint is still {good.path.name if good else 'none'}"
             )
+            log.error("checkpoint at step %d failed: %s", step, self.last_failure)
             return False
         self.last_saved = step
         return True
@@ -381,9 +419,12 @@ class CheckpointStore:
             meta = json.loads((path / META).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: no readable {META} ({e})") from None
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: {META} is not a trmoe checkpoint of version {FORMAT_VERSION}")
+        if not isinstance(meta, dict) or meta.get("format_version") not in READ_VERSIONS:
+            raise CheckpointError(
+                f"{path}: {META} is not a trmoe checkpoint of version {' or '.join(map(str, READ_VERSIONS))}"
+            )
         _check_meta_fields(path, meta)
+        _check_seal(path, meta)
         for name, expected in sorted(meta["files"].items()):
             file = path / name
             try:
@@ -422,6 +463,8 @@ class CheckpointStore:
     ) -> Path:
         """Write checkpoint `step` (every rank calls this). Raises OSError (e.g. ENOSPC) with the previous
         checkpoints untouched and the temporary directory removed."""
+        if not self.enabled:  # validate.py refuses what would need one (guard.spike_policy=rollback)
+            raise RuntimeError(f"checkpoint {step}: checkpoints are disabled (checkpoint.enabled=false)")
         started = time.perf_counter()
         final = self.directory / step_name(step)
         tmp = self.directory / f".{step_name(step)}.tmp"
@@ -449,7 +492,7 @@ class CheckpointStore:
                 record["files"] = files
                 record["optimizer_empty"] = empty
                 try:
-                    _write_text_durable(tmp / META, json.dumps(record, indent=1, sort_keys=True) + "\n")
+                    _write_text_durable(tmp / META, seal_meta(record))
                     fsync_dir(tmp)
                     self._move_into_place(tmp, final)
                     write_pointer(self.directory, final.name)

@@ -97,6 +97,7 @@ class TrainingControls:
         self._router: torch.Tensor | None = None  # this step's [aux, z], micro-batch mean (device, detached)
         self._grad_sq: torch.Tensor | None = None
         self._telemetry_writer: TelemetryWriter | None = None
+        self.layer_rows: list[dict[str, Any]] = []  # the last logged step's telemetry.csv rows (trackers)
 
     # --- once per run -------------------------------------------------------------------------------
     def set_train_module(self, module: nn.Module) -> None:
@@ -195,8 +196,10 @@ class TrainingControls:
             self._telemetry_writer.rewind(step)
 
     def log_columns(self, step: int) -> dict[str, Any]:
-        """Extra metrics columns of a logged step (writes the telemetry.csv rows of the window)."""
+        """The metrics columns of a logged step that the controls own: per-group LRs, the gates' means, p,
+        lambda, the router's losses, telemetry (writes the telemetry.csv rows of the window)."""
         row: dict[str, Any] = dict(self._group_lrs.row()) if self._group_lrs is not None else {}
+        row["shared_gate"], row["routed_gate"] = _gate_means(self.model)
         routed = [b.ffn.routed for b in self.model.blocks if b.ffn.routed is not None]
         row["primary_weight"] = routed[0].primary_weight if routed and routed[0].top_k > 1 else None
         row["diversity_lambda"] = self.values.get("diversity")
@@ -213,4 +216,15 @@ class TrainingControls:
             row.update(aggregate)
             if self._telemetry_writer is not None:
                 self._telemetry_writer.write(layer_rows)
+            self.layer_rows = layer_rows
         return row
+
+
+def _gate_means(model: nn.Module) -> tuple[float | None, float | None]:
+    shared = [b.ffn.shared_gate for b in model.blocks if b.ffn.shared_gate is not None]
+    routed = [b.ffn.routed_gate for b in model.blocks if b.ffn.routed_gate is not None]
+
+    def mean(gates):
+        return torch.stack([g.detach() for g in gates]).mean().item() if gates else None
+
+    return mean(shared), mean(routed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import platform
 import random
@@ -14,7 +15,10 @@ import numpy as np
 import torch
 
 from trmoe.config.schema import Device, HardwareConfig, Precision
+from trmoe.config.validate import usable_cores
 from trmoe.errors import UserError
+
+log = logging.getLogger("trmoe")
 
 
 def mps_available() -> bool:
@@ -69,6 +73,13 @@ def configure(hw: HardwareConfig, device: torch.device) -> None:
     """The process as the config asks, every setting set both ways: sweep jobs share one process, and a
     job must not inherit the thread count or determinism of the job before it."""
     torch.set_num_threads(hw.threads if hw.threads is not None else _STARTUP_THREADS)
+    if hw.threads is not None and hw.threads > usable_cores():
+        log.warning(
+            "hardware.threads=%d is above the %d cores this process may use: oversubscribed threads "
+            "slow every step",
+            hw.threads,
+            usable_cores(),
+        )
     if device.type == "cpu" and hw.reuse_host_memory:
         keep_freed_host_memory()
     torch.use_deterministic_algorithms(hw.deterministic, warn_only=device.type != "cpu")
@@ -120,9 +131,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def source_checkout() -> Path | None:
+    """The git checkout trmoe is imported from, or None: an installed wheel, or a venv that merely lies
+    inside some other repository (the user's), whose commit says nothing about trmoe's code."""
+    import trmoe
+
+    root = Path(trmoe.__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # a checkout's top level (.git is a file in a worktree)
+        return None
+    return root
+
+
 def git_commit() -> dict:
-    """Commit of the trmoe source tree (where it is a git checkout), and whether it had local changes."""
-    root = Path(__file__).resolve().parents[2]
+    """trmoe's version, and the commit and local-changes state of the checkout it is imported from (None
+    for both when it is not imported from a git checkout)."""
+    import trmoe
+
+    root = source_checkout()
 
     def git(*args: str) -> str | None:
         try:
@@ -131,9 +156,9 @@ def git_commit() -> dict:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    commit = None if root is None else git("rev-parse", "HEAD")
     dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": commit, "dirty": dirty}
+    return {"version": trmoe.__version__, "commit": commit, "dirty": dirty}
 
 
 def cpu_name() -> str:

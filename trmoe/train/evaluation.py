@@ -1,10 +1,10 @@
 """Evaluators: components that measure the model and return metrics columns.
 
-An evaluator is any object with `columns(model) -> dict[str, float]`, called by `Trainer.evaluate` at
-every evaluation step (step 0 of a fresh run, every trainer.eval_every steps and the last one), in the
-order of `Trainer.evaluators`; the dictionaries are merged into the metrics row (their keys must be
-metrics.csv columns, records.METRIC_COLUMNS). `HeldOutLoss` is the one every run has; a downstream
-evaluation or a per-source loss is another evaluator appended to that list.
+An evaluator has `names` (the metrics.csv columns it adds beyond records.METRIC_COLUMNS), `due(step)` (its
+own cadence) and `columns(step) -> dict[str, float]`. `Trainer.evaluate(step)` merges the columns of every
+evaluator due at that step, in the order of `Trainer.evaluators`, into the metrics row; a step at which any
+evaluator is due writes a row. `HeldOutLoss` is the one every run has (with a data mixture, each source's
+loss too); `trmoe.train.downstream.Downstream` (lm-eval tasks) is the other.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from trmoe.config.schema import Config
+from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import Batch, DataPipeline
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train import env
@@ -22,7 +23,11 @@ from trmoe.train.loss import chunked_tied_ce
 
 
 class Evaluator(Protocol):
-    def columns(self, model: TRMoETransformer) -> dict[str, float]: ...
+    names: tuple[str, ...]
+
+    def due(self, step: int) -> bool: ...
+
+    def columns(self, step: int) -> dict[str, float]: ...
 
 
 def ppl(loss: float) -> float:
@@ -47,18 +52,49 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
 
 
 class HeldOutLoss:
-    """The loss columns: held-out loss (and ppl, bits per byte) and the loss on a fixed stream of the
-    training split; run_config.json["data"]["metric_streams"] names each stream."""
+    """The loss columns, at step 0, every trainer.eval_every steps and the last: held-out loss (and ppl, bits
+    per byte) and the loss on a fixed stream of the training split; run_config.json["data"]["metric_streams"]
+    names each stream. A mixture adds each source's held-out loss and bpb (`data.metric_columns`); its
+    held-out set is theirs together, so the overall loss is their token-weighted mean (each batch is scored
+    once)."""
 
-    def __init__(self, data: DataPipeline, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None):
-        self.data, self.cfg, self.device, self.amp_dtype = data, cfg, device, amp_dtype
+    def __init__(
+        self,
+        model: TRMoETransformer,
+        data: DataPipeline,
+        cfg: Config,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+    ):
+        self.model, self.data, self.cfg, self.device, self.amp_dtype = model, data, cfg, device, amp_dtype
+        self.names = tuple(data.metric_columns)
 
-    def columns(self, model: TRMoETransformer) -> dict[str, float]:
-        eval_loss = evaluate(model, self.data.eval_set, self.cfg, self.device, self.amp_dtype)
-        eval_train_loss = evaluate(model, self.data.eval_train_set, self.cfg, self.device, self.amp_dtype)
+    def due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return step in (0, t.steps) or (t.eval_every > 0 and step % t.eval_every == 0)
+
+    def _loss(self, batches: list[Batch]) -> float:
+        return evaluate(self.model, batches, self.cfg, self.device, self.amp_dtype)
+
+    def columns(self, step: int) -> dict[str, float]:
+        if not self.due(step):
+            return {}
+        data, per_source = self.data, {}
+        for name, part in data.sources.items():
+            loss = self._loss(part.eval_set)
+            per_source[f"eval_loss/{name}"], per_source[f"eval_bpb/{name}"] = loss, part.bpb(loss)
+        if data.sources:
+            tokens = {name: scored_tokens(part.eval_set) for name, part in data.sources.items()}
+            eval_loss = sum(per_source[f"eval_loss/{n}"] * k for n, k in tokens.items()) / sum(
+                tokens.values()
+            )
+        else:
+            eval_loss = self._loss(data.eval_set)
+        eval_train_loss = self._loss(data.eval_train_set)
         return {
             "eval_train_loss": eval_train_loss,
             "eval_loss": eval_loss,
             "eval_ppl": ppl(eval_loss),
-            "eval_bpb": self.data.bpb(eval_loss),
+            "eval_bpb": data.bpb(eval_loss),
+            **per_source,
         }

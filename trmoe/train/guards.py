@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from trmoe.config.schema import GuardConfig, SpikePolicy
 
 APPLY, SKIP, ROLLBACK = "apply", "skip", "rollback"
@@ -71,6 +73,30 @@ class StepGuard:
                 return Verdict(APPLY, reason)
         self.recent.append(loss)
         return Verdict(APPLY)
+
+    def verdict(self, step: int, ce, objective, tokens: int, grad_norm, world_size: int = 1) -> Verdict:
+        """The verdict on `step` from this rank's loss sums (device tensors: summed over the ranks here, so
+        every rank reaches the same verdict) and the global gradient norm; one host sync while active."""
+        if step in self.dropped:
+            self.drop(step)
+            return Verdict(SKIP, "batch dropped by an earlier rollback")
+        if not self.active:
+            return Verdict(APPLY)
+        if world_size > 1:
+            from trmoe.train.distributed import all_reduce_sum
+
+            ce, objective = all_reduce_sum(ce, objective)
+            tokens *= world_size
+        loss, obj, norm = torch.stack([ce / tokens, objective / tokens, grad_norm.to(ce.dtype)]).tolist()
+        return self.check(step, loss, obj, norm)
+
+    def halt_reason(self, step: int, saved: bool) -> str:
+        """Why the run stops at `step` (too_many_skips), and where its last good state is."""
+        kept = f"in checkpoint step_{step:08d}" if saved else "not saved (checkpoint.enabled=false)"
+        return (
+            f"stopped at step {step}: {self.consecutive_skips} consecutive steps had a non-finite loss or "
+            f"gradient (guard.max_skips={self.cfg.max_skips}); the last good state is {kept}"
+        )
 
     def drop(self, step: int) -> None:
         """Count a batch that a rollback skips (when the replay reaches it)."""

@@ -45,21 +45,42 @@ VOLATILE_KEYS = (
     "checkpoint.*",
     "guard.*",
     "telemetry.*",  # observation only
+    "logger.*",  # experiment trackers: observation only
+    "downstream.every",  # downstream evaluation: observation only (tasks and limit define metrics.csv's
+    "downstream.include_path",  # columns and what they mean, so they stay fixed within a run)
+    "downstream.batch_size",
+    "debug.anomaly",  # checks, not math
+    "debug.profile*",
     "hardware.*",  # device, threads, determinism; derived.precision is the critical value
     "loss.chunk_tokens",  # memory, not math
     "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
+    "data.path",  # where the token shards / Parquet files are; their content hashes (data_info) are critical
+    "data.eval_path",
     "data.workers",  # reader parallelism
     "data.pin_memory",
     "data.verify",
     "derived.world_size",
     "data_info.path",  # location; the content is identified by its hashes
+    "data_info.*.path",  # (nested: data_info.shards.train.path, data_info.stream.path)
+    "data_info.*.paths",  # the Parquet files' locations (their hashes: data_info.stream.files)
+    "data_info.name",  # a text corpus is named by its file's location ("text:/abs/path")
     "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
     "data_info.metric_streams",
+    "data.sources.*.text_path",  # data=mixture: as data.text_path, for each source
+    "data_info.sources.*.path",
+    "data_info.sources.*.eval_*",
+    "data_info.sources.*.metric_streams",
+    "data_info.plan.*",  # a mixture's samples and epochs per source over trainer.steps (which may change)
 )
 
 
 def is_volatile(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in VOLATILE_KEYS)
+    """A pattern names a key or a whole subtree: `data_info.metric_streams` covers its flattened keys
+    (`data_info.metric_streams.eval_loss`), which a plain fnmatch of the pattern never matched."""
+    return any(
+        fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, f"{pattern}.*")
+        for pattern in VOLATILE_KEYS
+    )
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """One training job around a Trainer: from the composed config to a finished, failed or preempted run.
 
-    config -> device, model spec, ranks -> the launch decision (reads only) -> pre-flight checks
-           -> data (its identity checked against the run's) -> the launch's writes, status "running", logs
+    the run's lock -> config -> device, model spec, ranks -> the launch decision (reads only) -> pre-flight
+           checks (controls, trackers, downstream tasks) -> data (its identity checked against the run's)
+           -> the memory check -> the launch's writes, status "running", logs
            -> Trainer + the loop (trmoe.train.loop) -> status "finished" | "preempted" | "failed"
 
 Nothing is written before every check has passed: a bad config, a run directory that must not be
 overwritten or continued, or data that differs from the checkpoint's raise UserError with the directory
-untouched.
+untouched. A run directory that cannot be written (a full disk, a read-only mount) ends with one line and
+exit 3 (trmoe.train.storage); a second live launch into the same directory is refused (trmoe.train.runlock).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +22,23 @@ from omegaconf import DictConfig
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.data.pipeline import build_data
-from trmoe.train import distributed, env, launch, preflight, records, signals, status
-from trmoe.train.checkpoint import CheckpointStore
+from trmoe.train import (
+    distributed,
+    env,
+    launch,
+    parallel,
+    preflight,
+    records,
+    runlock,
+    signals,
+    sizing,
+    status,
+    storage,
+    trackers,
+)
+from trmoe.train.checkpoint import CheckpointStore, read_pointer
 from trmoe.train.controls import check_controls
+from trmoe.train.downstream import Downstream
 from trmoe.train.identity import config_container, derived_values, training_view
 from trmoe.train.rundir import RunDir
 from trmoe.train.trainer import Trainer
@@ -36,7 +53,12 @@ def run(raw_cfg: DictConfig, run_dir: Path, loop: Loop) -> float:
     early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
     logging.getLogger().addHandler(early)
     try:
-        return _job(raw_cfg, RunDir(run_dir), early, loop)
+        with runlock.hold(run_dir, rank=distributed.detect().rank):  # one live launch per run directory
+            return _job(raw_cfg, RunDir(run_dir), early, loop)
+    except OSError as e:  # the run directory cannot be written (full disk, read-only): one line, exit 3
+        if not storage.is_storage_error(e, run_dir):
+            raise
+        raise storage.failure(e, run_dir, read_pointer(RunDir(run_dir).checkpoints)) from None
     finally:
         logging.getLogger().removeHandler(early)
 
@@ -67,9 +89,13 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
             status.write_status(run.path, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
     check_controls(cfg, device)  # loss backend and compile backend: before anything is written
-    data = build_data(cfg, spec.vocab_size, device=device)
+    trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
+    downstream = Downstream(cfg)  # lm-eval and its tasks (downstream.tasks): before anything is written
+    data = build_data(cfg, spec.vocab_size, device=device, world_size=dist_env.world_size)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
+        fsdp = parallel.resolve_strategy(cfg.hardware.strategy, dist_env) == "fsdp"
+        sizing.check_fits(cfg, spec, device, dist_env.world_size if fsdp else 1)  # weights, grads, optimizer
     except BaseException:
         data.close()
         raise
@@ -85,10 +111,13 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
     distributed.barrier()  # (prepare may replace logs/: the other ranks open their files after it)
     if rank != 0:
         log_handler = distributed.attach_rank_log(run.path, rank, early)
-    trainer = None
     try:
-        with signals.StopSignals() as stop:
-            trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec)
+        with (
+            signals.StopSignals() as stop,
+            Trainer(
+                cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream
+            ) as trainer,
+        ):
             final = loop(trainer, stop)
         if rank == 0:
             status.write_status(run.path, status.FINISHED, final_eval_loss=final)
@@ -99,11 +128,10 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
         raise
     except BaseException as e:  # the run dir says why it stopped (a sweep report lists it as failed)
         if rank == 0:
-            status.write_status(run.path, status.FAILED, error=status.error_line(e))
+            with contextlib.suppress(OSError):  # not even in place: the app's one line is the record
+                status.write_status(run.path, status.FAILED, error=status.error_line(e))
         raise
     finally:
-        if trainer is not None:
-            trainer.close()
         data.close()
         logging.getLogger().removeHandler(log_handler)
         log_handler.close()

@@ -179,7 +179,14 @@ class Launch:
 
 
 # What bit-exact continuation depends on besides the config (docs/reliability.md, determinism).
-_ENVIRONMENT = ("git.commit", "git.dirty", "backend.torch", "backend.threads", "backend.device_name")
+_ENVIRONMENT = (
+    "git.version",
+    "git.commit",
+    "git.dirty",
+    "backend.torch",
+    "backend.threads",
+    "backend.device_name",
+)
 
 
 def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) -> None:

@@ -9,6 +9,12 @@ from trmoe.config.schema import Progress
 
 log = logging.getLogger("trmoe")
 
+FILE_ONLY = "trmoe_file_only"  # a record attribute: the line is for the log file, not the console
+
+
+def _not_file_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, FILE_ONLY, False)
+
 
 class ProgressReporter:
     """Closed by `close()` or, whatever ends the run, by leaving it as a context manager: the bar's log
@@ -26,6 +32,11 @@ class ProgressReporter:
             # log lines (evaluations, checkpoints) print above the bar instead of into its line
             self._redirect = logging_redirect_tqdm()
             self._redirect.__enter__()
+            self._console = [
+                h for h in logging.getLogger().handlers if not isinstance(h, logging.FileHandler)
+            ]
+            for handler in self._console:
+                handler.addFilter(_not_file_only)
 
     def step(self) -> None:
         if self._bar is not None:
@@ -36,18 +47,25 @@ class ProgressReporter:
         parts = [f"loss {row['train_loss']:.4f}", f"lr {row['lr']:.2e}", f"tok/s {row['tok_s']:.0f}"]
         if row.get("eval_loss") is not None:
             parts.insert(1, f"eval {row['eval_loss']:.4f}")
+        if row.get("mfu") is not None:
+            parts.append(f"mfu {100 * row['mfu']:.1f}%")
+        if row.get("peak_mem_gib") is not None:
+            parts.append(f"mem {row['peak_mem_gib']:.2f} GiB")
         if row.get("expert_imbalance") is not None:  # telemetry.moe
             parts.append(f"imb {row['expert_imbalance']:.2f}")
         if row.get("expert_dead") is not None:
             parts.append(f"dead {row['expert_dead']}")
+        eta = f"{int(eta_s // 60)}m{int(eta_s % 60):02d}s"
         if self._bar is not None:
             self._bar.set_postfix_str(" | ".join(parts), refresh=True)
-        else:
-            eta = f"{int(eta_s // 60)}m{int(eta_s % 60):02d}s"
-            log.info("step %d/%d | %s | eta %s", row["step"], total_steps, " | ".join(parts), eta)
+        # with the bar the line goes to train.log only (the bar shows it on the console)
+        extra = {FILE_ONLY: True} if self._bar is not None else None
+        log.info("step %d/%d | %s | eta %s", row["step"], total_steps, " | ".join(parts), eta, extra=extra)
 
     def close(self) -> None:
         if self._bar is not None:
+            for handler in self._console:
+                handler.removeFilter(_not_file_only)
             self._redirect.__exit__(None, None, None)
             self._bar.close()
             self._bar = None

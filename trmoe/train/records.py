@@ -42,6 +42,8 @@ METRIC_COLUMNS = (
     "grad_norm",  # global gradient norm before clipping
     "tok_s",  # training tokens per second over the logging window, evaluation time excluded
     "elapsed_s",
+    "mfu",  # model FLOPs utilisation of one device over the window (trmoe.train.meters: its peak, FLOPs)
+    "peak_mem_gib",  # peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU
     "shared_gate",
     "routed_gate",
     "expert_imbalance",  # telemetry.moe: max share / mean share of route slots, mean over layers
@@ -61,12 +63,18 @@ METRIC_COLUMNS = (
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or its previous content: a write that fails (a full disk) leaves no
+    temporary file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -100,8 +108,10 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 def attach_log_file(path: Path, early: EarlyLog | None = None) -> logging.Handler:
     """Log into `path` from now on, after what `early` kept (which stops keeping)."""
+    from trmoe.train.storage import LogFile
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = LogFile(path)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     if early is not None:
         logging.getLogger().removeHandler(early)
@@ -128,22 +138,27 @@ def _fmt(value: Any) -> str:
 
 class MetricsWriter:
     """metrics.csv: one row per logged step, flushed as written. `append=True` continues an existing file
-    (after `continue_metrics` trimmed it to the resumed step)."""
+    (after `continue_metrics` trimmed it to the resumed step). `columns`: METRIC_COLUMNS, then the data's
+    own (a mixture's per-source figures, `DataPipeline.metric_columns`)."""
 
-    def __init__(self, path: Path, *, append: bool = False, rows: int = 0):
+    def __init__(
+        self, path: Path, *, append: bool = False, rows: int = 0, columns: tuple[str, ...] = METRIC_COLUMNS
+    ):
+        append = append and rows > 0  # a header alone (a resume that found no metrics.csv) gets this header
         self.path = path
         self.rows = rows if append else 0
+        self.columns = tuple(columns)
         self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.writer(self._file)
         if not append:
-            self._writer.writerow(METRIC_COLUMNS)
+            self._writer.writerow(self.columns)
             self._file.flush()
 
     def write(self, row: dict[str, Any]) -> None:
-        unknown = set(row) - set(METRIC_COLUMNS)
+        unknown = set(row) - set(self.columns)
         if unknown:
             raise KeyError(f"unknown metric columns: {sorted(unknown)}")
-        self._writer.writerow([_fmt(row.get(col)) for col in METRIC_COLUMNS])
+        self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
         self._file.flush()
         self.rows += 1
 
@@ -191,12 +206,14 @@ def continue_metrics(path: Path, through_step: int) -> int:
     """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
     resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
     from an older column set is migrated (new columns get nan; the original is kept as metrics.csv.orig).
-    Returns the number of rows kept."""
+    Per-source columns (`eval_loss/<source>`, after METRIC_COLUMNS) are kept. Returns the number of rows
+    kept."""
     header, rows = read_step_rows(path, through_step)
     header = header if header is not None else list(METRIC_COLUMNS)
     kept = [dict(zip(header, row, strict=True)) for row in rows]
-    if tuple(header) != METRIC_COLUMNS:
-        dropped = [c for c in header if c not in METRIC_COLUMNS]
+    columns = (*METRIC_COLUMNS, *(c for c in header if "/" in c))
+    if tuple(header) != columns:
+        dropped = [c for c in header if c not in columns]
         shutil.copyfile(path, path.with_name(path.name + ".orig"))
         logging.getLogger("trmoe").warning(
             "metrics.csv: columns migrated to this trmoe's set (new columns nan%s); original kept as %s.orig",
@@ -205,9 +222,9 @@ def continue_metrics(path: Path, through_step: int) -> int:
         )
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(METRIC_COLUMNS)
+    writer.writerow(columns)
     for row in kept:
-        writer.writerow([row.get(col, "nan") for col in METRIC_COLUMNS])
+        writer.writerow([row.get(col, "nan") for col in columns])
     write_atomic(path, out.getvalue())
     return len(kept)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.param_match import solve_match
-from trmoe.model.transformer import count_parameters
+from trmoe.model.transformer import ParamCounts
 from trmoe.train import env, records
 
 if TYPE_CHECKING:
@@ -22,11 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("trmoe")
 
 
-def announce(trainer: Trainer, raw_cfg: DictConfig) -> None:
+def announce(trainer: Trainer, raw_cfg: DictConfig, params: ParamCounts) -> None:
     """The run's opening log lines and run_config.json (rank 0)."""
     cfg, t, spec, launch = trainer.cfg, trainer.t, trainer.model.spec, trainer.launch
     world = trainer.dist.world_size
-    params = count_parameters(trainer.model)
     tokens_per_step = trainer.state.tokens_per_step
     log.info("run directory: %s", trainer.run.path)
     if world > 1:
@@ -53,6 +52,11 @@ def announce(trainer: Trainer, raw_cfg: DictConfig) -> None:
     )
     total = f"{tokens_per_step * t.steps:,}"
     log.info("tokens per step %s, steps %d, total %s tokens", f"{tokens_per_step:,}", t.steps, total)
+    if not trainer.store.enabled:
+        log.warning(
+            "checkpoint.enabled=false: no checkpoint is written; this run cannot be resumed (a rerun "
+            "starts again at step 0)"
+        )
     match = solve_match(cfg)
     if match is not None:
         log.info("parameter match: %s", match.describe())
@@ -74,7 +78,7 @@ def announce(trainer: Trainer, raw_cfg: DictConfig) -> None:
             "tokens_per_step": tokens_per_step,
             "total_tokens": tokens_per_step * t.steps,
             "data": trainer.data.info,
-            "metrics_columns": list(records.METRIC_COLUMNS),
+            "metrics_columns": list(trainer.columns),
             "controls": trainer.controls.record(trainer.optimizer),  # loss backend, groups, schedules
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)

@@ -9,6 +9,11 @@
                               column migration on resume
       telemetry.csv           per-layer expert telemetry (telemetry.moe=true)
       checkpoints/            step_XXXXXXXX/ and `latest` (checkpoint.CheckpointStore)
+      .lock                   held by the live launch (runlock.py): who holds the run
+      trackers.json           the tracker runs this run continues on resume (trackers.py)
+      tensorboard/, wandb/    the trackers' own files (logger=tensorboard, logger=wandb)
+      profile/                torch.profiler traces (debug=profile)
+      eval/<step>.json        python -m trmoe.eval's results for a checkpoint
 
 This module only names paths; it imports nothing of trmoe's, so any tool may use it.
 """
@@ -26,6 +31,11 @@ TELEMETRY = "telemetry.csv"
 CHECKPOINTS = "checkpoints"
 HYDRA = ".hydra"
 RANK_LOGS = "logs"
+LOCK = ".lock"
+TRACKERS = "trackers.json"
+TRACKER_DIRS = ("tensorboard", "wandb")
+PROFILE = "profile"
+EVAL = "eval"
 
 RUN_FILES = (RUN_CONFIG, METRICS)  # a directory holding either holds a run
 STEP_CSVS = (TELEMETRY,)  # per-step records besides metrics.csv, trimmed like it on resume
@@ -80,6 +90,25 @@ class RunDir:
     def hydra(self) -> Path:
         return self.path / HYDRA
 
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / TRACKERS
+
+    def tracker_dir(self, name: str) -> Path:
+        """A tracker's own files (tensorboard/, wandb/)."""
+        return self.path / name
+
+    @property
+    def profile(self) -> Path:
+        return self.path / PROFILE
+
+    def eval_result(self, step: int) -> Path:
+        return self.path / EVAL / f"{step}.json"
+
     def step_csvs(self) -> list[Path]:
         """metrics.csv and the other per-step CSVs that exist: what a resume continues."""
         return [p for p in (self.metrics, *(self.path / n for n in STEP_CSVS)) if p.exists()]
@@ -90,5 +119,7 @@ class RunDir:
 
     def removable(self) -> tuple[list[Path], list[Path]]:
         """(files, directories) that make up a run: what run.overwrite=true removes."""
-        files = [self.path / n for n in (*RUN_FILES, *STEP_CSVS, LOG, STATUS)] + [self.metrics_backup]
-        return files, [self.checkpoints, self.hydra, self.path / RANK_LOGS]
+        names = (*RUN_FILES, *STEP_CSVS, LOG, STATUS, TRACKERS)
+        files = [self.path / n for n in names] + [self.metrics_backup]
+        dirs = [self.checkpoints, self.hydra, self.path / RANK_LOGS, self.profile]
+        return files, dirs + [self.tracker_dir(n) for n in TRACKER_DIRS]

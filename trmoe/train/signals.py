@@ -1,5 +1,5 @@
-"""Stop requests by signal: SIGUSR2 (SLURM's and submitit's preemption/timeout warning) and SIGTERM (SLURM
-preemption, `timeout`, `kill`, container stop).
+"""Stop requests by signal: SIGUSR2 (SLURM's and submitit's preemption/timeout warning), SIGTERM (SLURM
+preemption, `timeout`, `kill`, container stop), SIGINT (Ctrl-C) and SIGHUP (the terminal closed).
 
 The handler only records the signal. The train loop looks at the flag at each step boundary, saves a
 checkpoint there, closes its files and raises `Preempted`; the app then hands the signal to whatever handler
@@ -12,8 +12,10 @@ was installed before trmoe's and exits:
   process that the signal ended, but only after the checkpoint is on disk. A SLURM batch script requeues
   on it (`[ $? -ge 128 ] && scontrol requeue $SLURM_JOB_ID`); under `timeout` the status is 124 anyway.
 
-Ctrl-C (SIGINT) keeps Python's KeyboardInterrupt: it stops at once and a rerun resumes from the last
-periodic checkpoint, which is exact too.
+Ctrl-C and SIGHUP are stops like SIGTERM (exit 130 / 129 after the checkpoint). A second Ctrl-C while the
+first is being served stops at once (KeyboardInterrupt: one line, exit 130; the rerun resumes from the
+last complete checkpoint). A signal that was ignored when the run started (SIGHUP under `nohup`) stays
+ignored. Outside the train loop (building the data, the first evaluation) Ctrl-C is a KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -27,19 +29,24 @@ from typing import Any, NoReturn
 
 log = logging.getLogger("trmoe")
 
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PREEMPTED = "preempted"  # status.json of a run stopped by a signal after its checkpoint was saved
 
 
 class Preempted(BaseException):  # noqa: N818 — not an error: a requested stop (BaseException like SystemExit)
     """Raised by the train loop at the step boundary after a stop signal, once the checkpoint of that step
-    is saved and the run's files are closed."""
+    is saved (unless checkpoint.enabled=false) and the run's files are closed."""
 
-    def __init__(self, signum: int, step: int, previous_handler: Any):
+    def __init__(self, signum: int, step: int, previous_handler: Any, *, saved: bool = True):
         self.signum = signum
         self.step = step
         self.previous_handler = previous_handler
-        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}; checkpoint saved")
+        how = (
+            "checkpoint saved"
+            if saved
+            else "no checkpoint (checkpoint.enabled=false): a rerun starts at step 0"
+        )
+        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}; {how}")
 
     @property
     def exit_code(self) -> int:
@@ -57,6 +64,8 @@ class StopSignals:
         self._flag = None  # agreed(): the all-reduced stop flag, on the collective's device
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.requested == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now
         if self.requested is None:
             self.requested = signum
             # os.write: safe inside a signal handler (no locks), and visible even if logging is mid-call
@@ -66,6 +75,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
+                if signal.getsignal(signum) is signal.SIG_IGN:  # nohup's SIGHUP: stays ignored
+                    continue
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -99,7 +110,9 @@ def hand_over(stop: Preempted) -> NoReturn:
     """After a signal stop: run the handler installed before trmoe's (submitit's requeue), then exit with
     128 + signum if it returned."""
     previous = stop.previous_handler
-    if callable(previous):
+    if (
+        callable(previous) and previous is not signal.default_int_handler
+    ):  # (it would raise KeyboardInterrupt)
         log.info("handing %s to the previous handler (%s)", signal.Signals(stop.signum).name, previous)
         previous(stop.signum, None)
     sys.exit(stop.exit_code)

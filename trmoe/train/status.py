@@ -7,6 +7,7 @@ it had a run directory (a bad config in one arm), so that a sweep report can sho
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,23 @@ def error_line(exc: BaseException) -> str:
 
 
 def write_status(run_dir: Path, status: str, **fields: Any) -> None:
+    """status.json, written whole (temporary file, rename). When that fails (a full disk: no room for the
+    temporary file) the existing file is rewritten in place: its blocks already hold a status, so a failure
+    can still be recorded; only if that fails too does the OSError propagate (status.json keeps its last
+    value, and the run's one line on stderr is the record)."""
     record = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
-    write_atomic(run_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
+    text = json.dumps(record, indent=2) + "\n"
+    path = run_dir / STATUS_FILE
+    try:
+        write_atomic(path, text)
+    except OSError:
+        if not path.is_file():
+            raise
+        with open(path, "r+") as f:
+            f.write(text)
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read_status(run_dir: Path) -> dict | None:

@@ -10,8 +10,14 @@ Components (attributes, each owning its state):
     window                    the metrics window behind the next metrics.csv row (MetricsWindow)
     rng                       every random generator (RNG)
     state                     step, training time, last held-out loss (TrainState)
-    evaluators                objects returning metrics columns at each evaluation (trmoe.train.evaluation)
-    metrics, progress, store  metrics.csv, the console display, the checkpoints and their cadence
+    evaluators                held-out loss, downstream tasks: columns on their own cadence (evaluation.py)
+    output                    where rows go: metrics.csv, the trackers, the console display (RunOutput)
+    store                     the checkpoints and their cadence (CheckpointStore)
+    efficiency                the mfu and peak_mem_gib columns (meters.EfficiencyMeter)
+    profiler                  torch.profiler over a few steps (debug=profile)
+
+The Trainer is a context manager: leaving it closes the run's files, the trackers (told the run's outcome)
+and the profiler, however the run ends.
 
 A checkpoint is the model and optimizer plus `state_dict()`: the dictionary of the other components' states
 (one rank_XXXXX.pt per rank); `load_state_dict` gives each its part back, the RNG last. Extension points
@@ -26,21 +32,24 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from trmoe.config.schema import Config, Progress, SpikePolicy
+from trmoe.config.schema import Config, SpikePolicy
 from trmoe.data.pipeline import DataPipeline, global_batch_samples, global_batch_tokens, micro_batch_samples
 from trmoe.errors import RunFailed
-from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import env, guards, parallel, records, signals
+from trmoe.model.flops import flops_per_token
+from trmoe.model.transformer import TRMoETransformer, count_parameters
+from trmoe.train import env, guards, meters, parallel, records, signals
 from trmoe.train.checkpoint import CheckpointError, CheckpointStore
 from trmoe.train.controls import TrainingControls, is_log_step
-from trmoe.train.distributed import DistEnv, all_reduce_sum, no_sync
+from trmoe.train.distributed import DistEnv, no_sync
+from trmoe.train.downstream import Downstream
 from trmoe.train.evaluation import Evaluator, HeldOutLoss, ppl
 from trmoe.train.launch import Launch
-from trmoe.train.metrics import MetricsWindow, NullMetrics
+from trmoe.train.metrics import MetricsWindow
 from trmoe.train.optim import build_optimizer
-from trmoe.train.progress import ProgressReporter
+from trmoe.train.output import RunOutput
+from trmoe.train.profiling import StepProfiler
 from trmoe.train.run_record import announce
 from trmoe.train.rundir import RunDir
 from trmoe.train.state import RNG, TrainState
@@ -62,45 +71,65 @@ class Trainer:
         device: torch.device,
         amp_dtype: torch.dtype | None,
         spec,
+        downstream: Downstream,
     ):
-        t = self.t = cfg.trainer
-        self.cfg, self.launch, self.store, self.data = cfg, launch, store, data
-        self.run: RunDir = launch.run
-        self.device, self.amp_dtype, self.dist = device, amp_dtype, dist_env
-        env.configure(cfg.hardware, device)
-        env.seed_everything(t.seed)
-        self.model = model = TRMoETransformer(spec).to(device)  # same seed on every rank: same weights
-        self.parallelism = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
-        # FSDP shards in place, before the optimizer sees the parameters; the ones it leaves unsharded
-        # (scalar gates) have their gradients averaged here
-        self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
-        self.controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates
-        self.telemetry = self.controls.telemetry  # expert telemetry (telemetry.moe; None when off)
-        self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
-        # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
-        self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
-        self.controls.set_train_module(self.ddp if self.ddp is not None else model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        world = dist_env.world_size
-        self.state = TrainState(global_batch_tokens(t, world), global_batch_samples(t, world))
-        self.window = MetricsWindow(device)  # running sums between rows stay on the device
-        self.guard = guards.StepGuard(cfg.guard)
-        self.rng = RNG()
-        self.evaluators: list[Evaluator] = [HeldOutLoss(data, cfg, device, amp_dtype)]
-        self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
-        announce(self, raw_cfg)  # the opening log lines and run_config.json
-        main = dist_env.rank == 0  # ranks > 0 compute the same rows (collectively) but write nothing
-        self.metrics = (
-            records.MetricsWriter(self.run.metrics, append=launch.mode == "resume", rows=launch.metrics_rows)
-            if main
-            else NullMetrics()
-        )
-        self.controls.attach(self.optimizer, self.run.telemetry if main else None)
-        self.progress = ProgressReporter(
-            cfg.run.progress if main else Progress.log, t.steps, start_step=launch.start_step
-        )
-        self._clock = time.perf_counter()
-        self._grad_norm = torch.zeros((), device=device)
+        self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
+        self._outcome: BaseException | None = None  # how the run ended, for the trackers
+        try:
+            t = self.t = cfg.trainer
+            self.cfg, self.launch, self.store, self.data = cfg, launch, store, data
+            self.run: RunDir = launch.run
+            self.device, self.amp_dtype, self.dist = device, amp_dtype, dist_env
+            env.configure(cfg.hardware, device)
+            env.seed_everything(t.seed)
+            self.model = model = TRMoETransformer(spec).to(device)  # same seed on every rank: same weights
+            self.parallelism = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
+            # FSDP shards in place, before the optimizer sees the parameters; the ones it leaves unsharded
+            # (scalar gates) have their gradients averaged here
+            self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
+            self.controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates
+            self.telemetry = self.controls.telemetry  # expert telemetry (telemetry.moe; None when off)
+            self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
+            # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
+            self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
+            self.controls.set_train_module(self.ddp if self.ddp is not None else model)
+            downstream.attach(model, device, amp_dtype)  # the plain module, not the DDP or compiled wrapper
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            world = dist_env.world_size
+            self.state = TrainState(global_batch_tokens(t, world), global_batch_samples(t, world))
+            self.window = MetricsWindow(device)  # running sums between rows stay on the device
+            self.guard = guards.StepGuard(cfg.guard)
+            self.rng = RNG()
+            self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
+            # metrics.csv's columns: the fixed ones, then the evaluators' own (per-source losses, accuracies)
+            self.columns = (*records.METRIC_COLUMNS, *(name for e in self.evaluators for name in e.names))
+            self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
+            params = count_parameters(model)
+            announce(self, raw_cfg, params)  # the opening log lines and run_config.json
+            self.output = RunOutput(
+                cfg,
+                launch,
+                rank=dist_env.rank,
+                columns=self.columns,
+                config_hash=self.identity["config_hash"],
+                config=OmegaConf.to_container(raw_cfg, resolve=True),
+            )
+            self._cleanup.callback(lambda: self.output.close(self._outcome))
+            self.controls.attach(self.optimizer, self.run.telemetry if dist_env.rank == 0 else None)
+            self.efficiency = meters.EfficiencyMeter(
+                device,
+                flops_per_token(spec, params, t.seq_len),
+                *meters.peak_flops(device, amp_dtype, cfg.hardware.peak_tflops),
+            )
+            self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, device))
+            if cfg.debug.anomaly:
+                self._cleanup.enter_context(torch.autograd.set_detect_anomaly(True))
+            self._clock = time.perf_counter()
+            self._grad_norm = torch.zeros((), device=device)
+        except BaseException as e:  # close what was opened before a component failed
+            self._outcome = e
+            self._cleanup.close()
+            raise
 
     @property
     def step(self) -> int:
@@ -142,7 +171,7 @@ class Trainer:
         meta = {
             "tokens": self.state.tokens,
             "eval_loss": self.state.eval_loss,
-            "metrics": self.metrics.sync(),
+            "metrics": self.output.metrics.sync(),
             **self.identity,
         }
         return {
@@ -152,25 +181,22 @@ class Trainer:
             "meta": meta,
         }
 
-    def _load(self, info, *, load_data: bool) -> None:
-        state = self.store.load(info, model=self.model, optimizer=self.optimizer)
-        self.load_state_dict(state, load_data=load_data)
-        self._clock = time.perf_counter()
-
     # ------------------------------------------------------------------------------------------- the run
 
     def start(self) -> None:
         """Resume from the launch's checkpoint, or evaluate step 0 of a fresh run."""
         launch, rollback = self.launch, self.cfg.guard.spike_policy == SpikePolicy.rollback
         if launch.mode == "resume":
-            self._load(launch.checkpoint, load_data=False)  # the data cursor: loaded by launch.check_data
+            state = self.store.load(launch.checkpoint, model=self.model, optimizer=self.optimizer)
+            self.load_state_dict(state, load_data=False)  # the data cursor: loaded by launch.check_data
             self.store.last_saved = launch.start_step
             log.info("resumed at step %d from %s", launch.start_step, launch.checkpoint.path)
             if rollback and launch.external:  # another run's checkpoint: something to roll back to here
                 self.store.try_save(self.step, self._checkpoint)
         else:
-            figures = self.evaluate()
-            self.metrics.write({"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0})
+            figures = self.evaluate(0)
+            first_row = {"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0}
+            self.output.write(first_row)
             log.info("step 0 | eval %.4f | eval_train %.4f", figures["eval_loss"], figures["eval_train_loss"])
             if rollback:
                 self.store.try_save(0, self._checkpoint)  # to roll back to before the first periodic one
@@ -181,9 +207,12 @@ class Trainer:
         t, device, world = self.t, self.device, self.dist.world_size
         self.state.step = step
         self.controls.begin_step(step, self.optimizer)  # LR, p, gates, lambda: pure functions of the step
+        batch_step = 1 if self.cfg.debug.overfit else step  # debug.overfit: the first batch at every step
         micro_batches = [
             self.data.train.batch(first, count)
-            for first, count in micro_batch_samples(step, self.dist.rank, world, t.micro_batch, t.grad_accum)
+            for first, count in micro_batch_samples(
+                batch_step, self.dist.rank, world, t.micro_batch, t.grad_accum
+            )
         ]
         step_tokens = sum(int(y.numel()) for _, y in micro_batches)
         sums_dtype = env.sum_dtype(device)
@@ -204,7 +233,7 @@ class Trainer:
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         self._grad_norm = grad_norm = parallel.full(grad_norm)  # FSDP: a DTensor norm, the same everywhere
-        verdict = self._verdict(step, step_ce, step_obj, step_tokens, grad_norm)
+        verdict = self.guard.verdict(step, step_ce, step_obj, step_tokens, grad_norm, world)
         if verdict.action == guards.ROLLBACK:
             return verdict
         if verdict.action == guards.APPLY:
@@ -214,7 +243,8 @@ class Trainer:
             skipped = "; skipped" if verdict.action == guards.SKIP else ""
             log.warning("step %d: %s%s", step, verdict.reason, skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step()
+        self.output.progress.step()
+        self.profiler.step()
         return verdict
 
     def _objective(self, inputs, targets, step_tokens: int, micro_batches: int, last: bool):
@@ -229,42 +259,28 @@ class Trainer:
         penalty = self.controls.penalty() if last else None
         return (objective if penalty is None else objective + penalty), sums
 
-    def _verdict(self, step: int, ce, objective, tokens: int, grad_norm) -> guards.Verdict:
-        guard = self.guard
-        if step in guard.dropped:
-            guard.drop(step)
-            return guards.Verdict(guards.SKIP, "batch dropped by an earlier rollback")
-        if not guard.active:
-            return guards.Verdict(guards.APPLY)
-        if self.dist.world_size > 1:  # every rank must reach the same verdict: on the global loss
-            ce, objective = all_reduce_sum(ce, objective)
-            tokens *= self.dist.world_size
-        # the guard's host sync: one per step
-        loss, obj, norm = torch.stack([ce / tokens, objective / tokens, grad_norm.to(ce.dtype)]).tolist()
-        return guard.check(step, loss, obj, norm)
-
-    def evaluate(self) -> dict[str, float]:
-        """Every evaluator's columns; the held-out loss becomes the run's last eval_loss."""
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The columns of every evaluator due at `step`; a held-out loss becomes the run's last eval_loss."""
         figures: dict[str, float] = {}
         for evaluator in self.evaluators:
-            figures.update(evaluator.columns(self.model))
-        self.state.eval_loss = figures["eval_loss"]
+            figures.update(evaluator.columns(step))
+        if "eval_loss" in figures:
+            self.state.eval_loss = figures["eval_loss"]
         return figures
 
-    def _tick(self) -> float:
+    def _tick(self) -> None:
         """Count the time since the last tick as training time."""
         now = time.perf_counter()
         self.window.time += now - self._clock
         self.state.train_time += now - self._clock
         self._clock = now
-        return now
 
     def maybe_log(self, step: int) -> None:
-        """The metrics row of a log step (1, every log_every, each evaluation, the last, a halt), with the
-        evaluation of an eval step; evaluation and logging are not training time."""
+        """The metrics row of a log step (1, every log_every, the last, a halt, and every step an evaluator is
+        due at), with those evaluations; evaluation and logging are not training time."""
         t = self.t
         halt = self.guard.too_many_skips
-        if not (is_log_step(step, self.cfg) or halt):
+        if not (is_log_step(step, self.cfg) or halt or any(e.due(step) for e in self.evaluators)):
             self._tick()
             return
         train_ce, train_objective = self.window.means()  # the window's host sync (and all-reduce)
@@ -281,12 +297,11 @@ class Trainer:
             "skipped_steps": self.guard.skipped,
             "loss_spikes": self.guard.spikes,
         }
-        row["shared_gate"], row["routed_gate"] = _gate_means(self.model)
-        row.update(self.controls.log_columns(step))  # per-group LRs, p, lambda, telemetry
-        if step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0):
-            row.update(self.evaluate())
-        self.metrics.write(row)
-        self.progress.report(row, t.steps, eta_s=(t.steps - step) * self.state.train_time / step)
+        row.update(self.controls.log_columns(step))  # per-group LRs, gates, p, lambda, telemetry
+        row.update(self.efficiency.columns(row["tok_s"] / self.dist.world_size))  # MFU, peak memory
+        row.update(self.evaluate(step))
+        eta_s = (t.steps - step) * self.state.train_time / step
+        self.output.write(row, layers=self.controls.layer_rows, eta_s=eta_s)  # telemetry.csv's rows too
         self.window.reset()
         self._clock = time.perf_counter()
 
@@ -295,18 +310,16 @@ class Trainer:
         final = step == self.t.steps or self.guard.too_many_skips
         saved = self.store.maybe_save(step, self._checkpoint, final=final)
         if saved is False and final:
-            raise RunFailed(f"step {step}: the final checkpoint could not be written (see the log above)")
+            raise RunFailed(
+                f"step {step}: the final checkpoint could not be written: {self.store.last_failure}"
+            )
         if saved is not None:
             self._clock = time.perf_counter()
 
     def check_guard(self, step: int) -> None:
         """Stop the run after guard.max_skips consecutive non-finite steps (their checkpoint is saved)."""
         if self.guard.too_many_skips:
-            raise RunFailed(
-                f"stopped at step {step}: {self.guard.consecutive_skips} consecutive steps had a non-finite "
-                f"loss or gradient (guard.max_skips={self.cfg.guard.max_skips}); the last good state is in "
-                f"checkpoint step_{step:08d}"
-            )
+            raise RunFailed(self.guard.halt_reason(step, saved=self.store.enabled))
 
     def rollback(self, step: int, reason: str) -> None:
         """Back to the newest good checkpoint; the replay skips batch `step`."""
@@ -323,7 +336,7 @@ class Trainer:
         self.controls.rewind(target.step)
         self.load_state_dict(state, load_data=True)
         guard.apply_carry(carry)
-        self.metrics.rewind(target.step)
+        self.output.metrics.rewind(target.step)
         self.store.last_saved = target.step
         log.warning(
             "step %d: %s; rolled back to %s: steps %d..%d are recomputed, batch %d is skipped",
@@ -340,16 +353,25 @@ class Trainer:
             raise RunFailed(f"step {step}: the rollback to step {target.step} could not be recorded")
 
     def preempt(self, step: int, stop: signals.StopSignals, signum: int) -> None:
-        """A stop signal every rank agreed on: checkpoint this step (unless it just was), close, raise."""
-        if self.store.last_saved != step and not self.store.try_save(step, self._checkpoint):
-            raise RunFailed(f"step {step}: stop signal, but the checkpoint could not be written")
-        self.close()
-        preempted = signals.Preempted(signum, step, stop.previous(signum))
-        log.warning("%s (the requeued job resumes from it)", preempted)  # in train.log: why it ended
+        """A stop signal every rank agreed on: checkpoint this step (unless it just was, or checkpoints are
+        off), close the run's files, raise Preempted."""
+        store = self.store
+        if (
+            store.due(step, final=True)
+            and store.last_saved != step
+            and not store.try_save(step, self._checkpoint)
+        ):
+            raise RunFailed(
+                f"step {step}: stop signal, but the checkpoint could not be written: {store.last_failure}"
+            )
+        self._close_files()
+        preempted = signals.Preempted(signum, step, stop.previous(signum), saved=store.enabled)
+        resumes = " (the requeued job resumes from it)" if store.enabled else ""
+        log.warning("%s%s", preempted, resumes)  # in train.log: why it ended
         raise preempted
 
     def finish(self) -> float:
-        self.close()
+        self._close_files()
         log.info(
             "done: final eval loss %.4f (ppl %.2f), %s tokens in %.1f s",
             self.state.eval_loss,
@@ -359,18 +381,19 @@ class Trainer:
         )
         return self.state.eval_loss
 
-    def close(self) -> None:
-        """Close the run's files and the display (idempotent: the job closes again however the run ends)."""
-        self.progress.close()
-        self.metrics.close()
+    def _close_files(self) -> None:
+        self.output.close_files()
         self.controls.close()
 
+    def close(self, outcome: BaseException | None = None) -> None:
+        """Close the run's files and display, then the trackers (told `outcome`: finished, preempted or
+        failed) and the profiler. Idempotent: the job closes again however the run ends."""
+        self._outcome = outcome
+        self._close_files()
+        self._cleanup.close()
 
-def _gate_means(model: TRMoETransformer) -> tuple[float | None, float | None]:
-    shared = [b.ffn.shared_gate for b in model.blocks if b.ffn.shared_gate is not None]
-    routed = [b.ffn.routed_gate for b in model.blocks if b.ffn.routed_gate is not None]
+    def __enter__(self) -> Trainer:
+        return self
 
-    def mean(gates):
-        return torch.stack([g.detach() for g in gates]).mean().item() if gates else None
-
-    return mean(shared), mean(routed)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)

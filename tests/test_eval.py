@@ -1,0 +1,182 @@
+"""Downstream evaluation through lm-evaluation-harness: trmoe's model class scores a local multiple-choice
+task exactly as log-likelihoods computed by hand from trmoe's model; rolling log-likelihood and generation
+requests; `python -m trmoe.eval` writes <run>/eval/<step>.json; the exported directory works with the
+harness's own `hf` model; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_cli
+
+pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
+
+from trmoe.data.tokenizer import EOS_ID, load_o200k  # noqa: E402
+from trmoe.eval import run_tasks  # noqa: E402
+from trmoe.eval.lm import TRMoELM  # noqa: E402
+from trmoe.generate import Sampling, generate  # noqa: E402
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASK = "trmoe_tiny_mc"
+
+
+def _docs() -> list[dict]:
+    return [json.loads(line) for line in (TASKS / f"{TASK}.jsonl").read_text().splitlines()]
+
+
+@torch.no_grad()
+def _loglik(model, context: list[int], continuation: list[int]) -> float:
+    ids = torch.tensor([context + continuation])
+    logp = model.logits(model(ids)).float().log_softmax(-1)[0]
+    return sum(logp[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
+
+
+def _by_hand(model) -> list[dict]:
+    """Per example: each choice's log-likelihood of " <choice>" after the question, acc and acc_norm."""
+    enc = load_o200k()
+    rows = []
+    for doc in _docs():
+        context = enc.encode(doc["question"])
+        lls = []
+        for choice in doc["choices"]:
+            whole = enc.encode(doc["question"] + " " + choice)
+            assert whole[: len(context)] == context
+            lls.append(_loglik(model, context, whole[len(context) :]))
+        norm = [ll / len(" " + c) for ll, c in zip(lls, doc["choices"], strict=True)]
+        pick = max(range(len(lls)), key=lls.__getitem__)
+        pick_norm = max(range(len(norm)), key=norm.__getitem__)
+        rows.append(
+            {"lls": lls, "acc": float(pick == doc["answer"]), "acc_norm": float(pick_norm == doc["answer"])}
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def lm(text_run) -> TRMoELM:
+    return TRMoELM(run=str(text_run), batch_size=4)
+
+
+def test_harness_accuracy_equals_the_hand_computation(lm):
+    start = time.perf_counter()
+    results = run_tasks(lm, [TASK], include_path=str(TASKS), log_samples=True, bootstrap_iters=0)
+    seconds = time.perf_counter() - start
+    hand = _by_hand(lm.model)
+    samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
+    assert len(samples) == len(hand) == 8
+    worst = 0.0
+    for sample, want in zip(samples, hand, strict=True):
+        got = [float(r[0][0]) for r in sample["resps"]]
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, want["lls"], strict=True)))
+        assert sample["acc"] == want["acc"] and sample["acc_norm"] == want["acc_norm"], sample["doc_id"]
+    figures = results["results"][TASK]
+    assert figures["acc,none"] == pytest.approx(sum(r["acc"] for r in hand) / len(hand))
+    assert figures["acc_norm,none"] == pytest.approx(sum(r["acc_norm"] for r in hand) / len(hand))
+    assert figures["acc,none"] >= 0.5  # the model learnt the sentences most questions are about
+    print(
+        f"{TASK}: acc {figures['acc,none']:.3f}, acc_norm {figures['acc_norm,none']:.3f}, "
+        f"{seconds:.1f} s; max |harness - hand| log-likelihood {worst:.2e}"
+    )
+    assert worst < 1e-4
+
+
+def test_rolling_loglikelihood_and_generation(lm):
+    from lm_eval.api.instance import Instance
+
+    text = "The cat sat on the mat and looked at the red ball."
+    req = Instance("loglikelihood_rolling", doc={}, arguments=(text,), idx=0)
+    (rolling,) = lm.loglikelihood_rolling([req])
+    ids = load_o200k().encode(text)
+    assert rolling == pytest.approx(_loglik(lm.model, [EOS_ID], ids), abs=1e-4)
+    # a window shorter than the text: the harness's disjoint windows still cover every token once
+    lm_short = TRMoELM(model=lm.model, max_length=5, batch_size=2)
+    (windowed,) = lm_short.loglikelihood_rolling([req])
+    assert windowed < 0 and len(ids) > 5
+    prompts = ["The cat sat on", "Water boils at"]
+    reqs = [
+        Instance("generate_until", doc={}, arguments=(p, {"until": ["."], "max_gen_toks": 12}), idx=i)
+        for i, p in enumerate(prompts)
+    ]
+    outs = lm.generate_until(reqs)
+    enc = load_o200k()
+    for prompt, out in zip(prompts, outs, strict=True):
+        (new,) = generate(lm.model, [enc.encode(prompt)], Sampling(12, greedy=True), eos_id=EOS_ID)
+        assert out == enc.decode([t for t in new if t != EOS_ID]).split(".")[0]
+        assert "." not in out
+
+
+def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
+    args = [f"run={text_run}", f"tasks=[{TASK}]", f"include_path={TASKS}", "batch_size=4"]
+    result = run_cli(args, cwd=tmp_path, module="trmoe.eval", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((text_run / "eval" / "60.json").read_text())
+    assert record["step"] == 60 and TASK in record["results"]
+    print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
+    again = run_cli(args, cwd=tmp_path, module="trmoe.eval", timeout=600)
+    assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
+    shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
+
+
+def test_the_harness_command_line_knows_model_trmoe(text_run, tmp_path):
+    args = [
+        "--model",
+        "trmoe",
+        "--model_args",
+        f"run={text_run},step=60",
+        "--batch_size",
+        "4",
+        "--tasks",
+        TASK,
+    ]
+    result = run_cli(
+        [*args, "--include_path", str(TASKS), "--limit", "2"], cwd=tmp_path, module="trmoe.eval.harness"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trmoe_tiny_mc" in result.stdout and "acc_norm" in result.stdout
+    bad = run_cli(
+        [
+            "--model",
+            "trmoe",
+            "--model_args",
+            f"run={text_run},step=7",
+            "--tasks",
+            TASK,
+            "--include_path",
+            str(TASKS),
+        ],
+        cwd=tmp_path,
+        module="trmoe.eval.harness",
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("trmoe: step=7")
+
+
+def test_exported_directory_with_the_harness_hf_model(exported, lm):
+    from lm_eval.models.huggingface import HFLM
+
+    hf = HFLM(pretrained=str(exported), trust_remote_code=True, dtype="float32", batch_size=4, device="cpu")
+    theirs = run_tasks(hf, [TASK], include_path=str(TASKS), bootstrap_iters=0)["results"][TASK]
+    ours = run_tasks(lm, [TASK], include_path=str(TASKS), bootstrap_iters=0)["results"][TASK]
+    assert theirs["acc,none"] == ours["acc,none"] and theirs["acc_norm,none"] == ours["acc_norm,none"]
+
+
+def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
+    from trmoe.eval.__main__ import main
+
+    cases = [
+        ([f"run={text_run}", "tasks=[no_such_task_xyz]"], "unknown task 'no_such_task_xyz'"),
+        ([f"run={text_run}", "tasks=[arc_easy]"], "arc_easy: its data is not available offline"),
+        ([f"run={tmp_path}", f"tasks=[{TASK}]", f"include_path={TASKS}"], "holds no checkpoint"),
+        ([f"run={text_run}", "tasks=[]"], "tasks: empty"),
+        ([f"run={text_run}", f"tasks=[{TASK}]", "include_path=/no/such/dir"], "include_path"),
+        ([f"run={text_run}", "nonsense=1"], "nonsense"),
+    ]
+    for argv, expected in cases:
+        capsys.readouterr()
+        code = main(argv)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "eval").exists()

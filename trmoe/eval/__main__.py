@@ -1,0 +1,89 @@
+"""`python -m trmoe.eval run=<run dir> tasks=[arc_easy,hellaswag] [step=N] [limit=N] [include_path=DIR] ...`
+
+Hydra-composed (trmoe.config.schema.EvalToolConfig; every option as key=value): runs lm-evaluation-harness
+with trmoe's model class on a run's checkpoint and writes the harness's figures to <run>/eval/<step>.json
+(never over an existing file). Bad input (unknown task, a task whose data is not available offline, a run
+without a checkpoint): one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from trmoe.errors import UserError
+from trmoe.train.rundir import RunDir
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize
+    from omegaconf import OmegaConf
+
+    import trmoe.config.schema  # noqa: F401  (registers eval_tool)
+    from trmoe.config.resolve import compose_error
+    from trmoe.config.schema import EvalToolConfig
+
+    if any(a in ("-h", "--help") for a in overrides):
+        print(__doc__)
+        raise SystemExit(0)
+    try:
+        with initialize(version_base="1.3", config_path=None):
+            cfg = hydra_compose("eval_tool", overrides=list(overrides))
+        tool: EvalToolConfig = OmegaConf.to_object(cfg)
+    except Exception as e:
+        raise UserError(f"python -m trmoe.eval: {compose_error(e)}") from None
+    return tool
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        tool = compose(sys.argv[1:] if argv is None else argv)
+        from trmoe.eval import load_tasks, run_tasks
+        from trmoe.eval.lm import TRMoELM
+        from trmoe.load import find_checkpoint
+
+        info = find_checkpoint(tool.run, tool.step)
+        out = Path(tool.out) if tool.out else RunDir(info.path.parent.parent).eval_result(info.step)
+        if out.exists():
+            raise UserError(f"out={out}: exists (nothing is overwritten); allowed: a new file (out=...)")
+        load_tasks(list(tool.tasks), tool.include_path)  # before the model: a bad task fails at once
+        lm = TRMoELM(run=str(info.path), device=tool.device, dtype=tool.dtype, batch_size=tool.batch_size)
+        start = time.perf_counter()
+        results = run_tasks(
+            lm,
+            list(tool.tasks),
+            include_path=tool.include_path,
+            limit=tool.limit,
+            num_fewshot=tool.num_fewshot,
+        )
+        record = {
+            "run": str(Path(tool.run).resolve()),
+            "step": info.step,
+            "checkpoint": str(info.path.resolve()),
+            "tasks": list(tool.tasks),
+            "limit": tool.limit,
+            "seconds": round(time.perf_counter() - start, 3),
+            "results": results["results"],
+            "n-samples": results.get("n-samples"),
+            "versions": results.get("versions"),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(tmp, out)
+    except UserError as e:
+        print(f"trmoe: {e}", file=sys.stderr)
+        return e.exit_code
+    for task, figures in record["results"].items():
+        shown = {k: v for k, v in figures.items() if isinstance(v, float)}
+        print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))
+    print(f"trmoe: results written to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

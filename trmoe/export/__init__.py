@@ -1,0 +1,177 @@
+"""Export a trained model for tools outside trmoe (`python -m trmoe.export`, docs/after_training.md).
+
+format "hf": a Hugging Face directory that transformers loads offline with
+`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and `AutoTokenizer.from_pretrained(dir)`:
+    config.json               TRMoEConfig, with auto_map naming the two files below
+    model.safetensors         every weight and each layer's route table (model.<trmoe name>)
+    generation_config.json    end-of-text id, max length
+    configuration_trmoe.py    standalone (torch + transformers; importable without trmoe)
+    modeling_trmoe.py
+    tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships
+format "safetensors": model.safetensors (trmoe's own names) and config.json (the model spec) only.
+
+The directory is written under a temporary name and renamed when complete: never half-written, and an
+existing non-empty directory is never written into.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from trmoe.errors import UserError, require_directory
+from trmoe.load import LoadedModel
+
+FORMATS = ("hf", "safetensors")
+_CODE = ("configuration_trmoe.py", "modeling_trmoe.py")
+
+
+def hf_config(loaded: LoadedModel) -> dict:
+    """config.json of the hf format: TRMoEConfig's fields (configuration_trmoe.py) and the auto_map."""
+    from trmoe.data.tokenizer import EOS_ID
+
+    s = loaded.spec
+    return {
+        "architectures": ["TRMoEForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_trmoe.TRMoEConfig",
+            "AutoModelForCausalLM": "modeling_trmoe.TRMoEForCausalLM",
+        },
+        "model_type": "trmoe",
+        "dtype": "float32",
+        "vocab_size": s.vocab_size,
+        "embedding_rows": s.embedding_rows,
+        "hidden_size": s.hidden_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "max_position_embeddings": s.max_seq_len,
+        "qk_norm": s.qk_norm,
+        "rope_theta": s.rope_theta,
+        "shared_width": s.shared_width,
+        "routed_width": s.routed_width,
+        "num_experts": s.num_experts,
+        "num_experts_per_tok": s.top_k,
+        "primary_weight": s.primary_weight,
+        "gates": s.gates,
+        "shared_scales": list(s.shared_scales),
+        "routed_scales": list(s.routed_scales),
+        "routing_strategy": s.strategy,
+        "rms_norm_eps": s.norm_eps,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": EOS_ID,
+        "use_cache": True,
+        "trmoe": {"step": loaded.step, "checkpoint": str(loaded.checkpoint.resolve())},
+    }
+
+
+def write_tokenizer(out: Path, max_len: int) -> None:
+    """tokenizer.json / tokenizer_config.json: o200k_base as a byte-level BPE (merges recovered from the
+    ranks), its special tokens at trmoe's ids (end-of-text 199999)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from trmoe.data.tokenizer import PAT_STR, _parse_ranks, _rank_file_bytes, load_o200k
+
+    ranks, specials = _parse_ranks(_rank_file_bytes()), dict(load_o200k()._special_tokens)
+
+    class _O200k(TikTokenConverter):
+        def load_tiktoken_bpe(self, _path) -> dict[bytes, int]:
+            return ranks  # the rank file trmoe ships, not a download
+
+        def extract_vocab_merges_from_model(self, path):
+            vocab, merges = super().extract_vocab_merges_from_model(path)
+            vocab.update(specials)  # so that each special token keeps its o200k id when it is added
+            return vocab, merges
+
+    _O200k(vocab_file=None, pattern=PAT_STR, extra_special_tokens=specials).converted().save(
+        str(out / "tokenizer.json")
+    )
+    eos = "<|endoftext|>"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eos,
+        "eos_token": eos,
+        "pad_token": eos,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
+    from safetensors.torch import save_file
+
+    from trmoe.data.tokenizer import EOS_ID
+
+    state = {f"model.{k}": v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(loaded), indent=2) + "\n")
+    generation = {
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": EOS_ID,
+        "max_length": loaded.spec.max_seq_len,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    code = resources.files("trmoe.export") / "hf"
+    for name in _CODE:
+        (out / name).write_text((code / name).read_text(encoding="utf-8"), encoding="utf-8")
+    if tokenizer:
+        write_tokenizer(out, loaded.spec.max_seq_len)
+
+
+def _write_safetensors(loaded: LoadedModel, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(loaded.step)})
+    config = {"trmoe_model_spec": loaded.spec.to_dict(), "step": loaded.step, "config": loaded.config}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def check_out(out: Path, fmt: str) -> None:
+    """UserError unless `fmt` is known and `out` is a new or empty directory."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: allowed: {', '.join(FORMATS)}")
+    require_directory(out, "--out", "a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"--out {out}: not empty (nothing is overwritten); allowed: a new or empty directory")
+
+
+def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
+    """Write `loaded` (fp32, on CPU) into the new directory `out`; return it."""
+    out = Path(out)
+    check_out(out, fmt)
+    from trmoe.model.routing import REGISTRY
+
+    if fmt == "hf" and REGISTRY[loaded.spec.strategy].learned:
+        raise UserError(
+            f"--format hf: {loaded.checkpoint} routes with a learned router (routing.strategy="
+            f"{loaded.spec.strategy}); the exported model code supports fixed route tables only; allowed: "
+            "--format safetensors"
+        )
+    model = loaded.model.to(device="cpu", dtype=torch.float32)
+    loaded = LoadedModel(
+        model, loaded.spec, loaded.step, loaded.checkpoint, loaded.config, torch.device("cpu")
+    )
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "hf":
+            _write_hf(loaded, tmp, tokenizer=loaded.text_vocab)
+        else:
+            _write_safetensors(loaded, tmp)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,155 @@
+"""Load a trained model: the one mechanism `trmoe.sample`, `trmoe.export` and `trmoe.eval` share.
+
+A run directory, its checkpoints/ directory or one checkpoint (step_XXXXXXXX) -> the checkpoint (the newest
+complete one, or a chosen step), verified against its meta.json; the model is rebuilt from the config that
+checkpoint recorded (meta.json["config"], the run's own composed config) and takes its weights and route
+tables, whichever format wrote them (torch: one file; dcp: torch.distributed.checkpoint, FSDP/DDP runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trmoe.errors import UserError
+from trmoe.model.transformer import ModelSpec, TRMoETransformer
+
+ALLOWED_PATHS = "a run directory, its checkpoints/ directory or one checkpoint step_XXXXXXXX"
+O200K_VOCAB = 200019  # o200k_base ids: what a text prompt is encoded to
+
+
+@dataclass
+class LoadedModel:
+    model: TRMoETransformer
+    spec: ModelSpec
+    step: int
+    checkpoint: Path
+    config: dict[str, Any]  # the run's composed config as the checkpoint recorded it
+    device: torch.device
+
+    @property
+    def run_dir(self) -> Path:
+        return self.checkpoint.parent.parent
+
+    @property
+    def text_vocab(self) -> bool:
+        """Whether the model reads o200k_base ids (text prompts can be encoded for it)."""
+        return self.spec.vocab_size == O200K_VOCAB
+
+
+def select_device(name: str = "auto") -> torch.device:
+    """auto: cuda if available, else mps, else cpu; or the named device (UserError when it is absent)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        raise UserError(f"device {name!r}: allowed: auto, cpu, cuda, mps")
+    if (
+        name == "cuda"
+        and not torch.cuda.is_available()
+        or name == "mps"
+        and not torch.backends.mps.is_available()
+    ):
+        raise UserError(f"device {name}: not available on this machine; allowed: auto, cpu")
+    return torch.device(name)
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a GPU, fp32 on CPU."""
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in table:
+        raise UserError(f"dtype {name!r}: allowed: auto, fp32, bf16, fp16")
+    return table[name]
+
+
+def find_checkpoint(path: str | Path, step: int | None = None):
+    """The verified checkpoint (CheckpointInfo) of `path` at `step` (None: the newest complete one)."""
+    from trmoe.train.checkpoint import META, CheckpointError, CheckpointStore
+    from trmoe.train.rundir import RunDir
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"run {path}: no such file or directory; allowed: {ALLOWED_PATHS}")
+    if (path / META).is_file():  # one checkpoint
+        store, only = CheckpointStore(path.parent), path
+    else:
+        checkpoints = RunDir(path).checkpoints
+        store = CheckpointStore(checkpoints if checkpoints.is_dir() else path)
+        only = None
+    if only is not None:
+        try:
+            info = store.verify(only)
+        except CheckpointError as e:
+            raise UserError(f"checkpoint {e}") from None
+        if step is not None and info.step != step:
+            raise UserError(f"step={step}: {only} is step {info.step}; allowed: {info.step}")
+        return info
+    steps = store.step_dirs()
+    if not steps:
+        raise UserError(f"run {path}: holds no checkpoint; allowed: {ALLOWED_PATHS} with one")
+    if step is not None:
+        found = [p for s, p in steps if s == step]
+        if not found:
+            raise UserError(
+                f"step={step}: {path} has no checkpoint of that step; allowed: {[s for s, _ in steps]}"
+            )
+        try:
+            return store.verify(found[0])
+        except CheckpointError as e:
+            raise UserError(f"checkpoint {e}") from None
+    info = store.newest_good()
+    if info is None:
+        raise UserError(f"run {path}: no complete checkpoint (every one failed its check; see the warnings)")
+    return info
+
+
+def spec_from_config(config: dict[str, Any]) -> ModelSpec:
+    """The ModelSpec of a recorded (resolved) config container, validated as the train app validates it."""
+    from omegaconf import OmegaConf
+
+    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.schema import Config
+
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), config)
+    except Exception as e:  # another trmoe version's config: keys this one does not know
+        raise UserError(f"checkpoint config: not readable by this trmoe ({str(e).splitlines()[0]})") from None
+    return model_spec(to_config(cfg))
+
+
+def load_model(
+    path: str | Path, step: int | None = None, *, device: str = "auto", dtype: str = "auto"
+) -> LoadedModel:
+    """The model of a run (or checkpoint) at `step` (None: the newest complete checkpoint), in eval mode."""
+    from trmoe.train.checkpoint import TORCH_PAYLOAD, _single_process_quiet
+
+    info = find_checkpoint(path, step)
+    config = info.meta.get("config")
+    if not isinstance(config, dict):
+        raise UserError(f"checkpoint {info.path}: meta.json records no config; allowed: a trmoe checkpoint")
+    spec = spec_from_config(config)
+    dev = select_device(device)
+    model = TRMoETransformer(spec)
+    if info.meta.get("format", "torch") == "torch":
+        state = torch.load(info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = model.state_dict()  # DCP fills these tensors in place (the model part only)
+        with _single_process_quiet():
+            dcp.load({"model": state}, checkpoint_id=str(info.path))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split("\n\t")[1:2]).strip() or str(e).splitlines()[0]
+        raise UserError(f"checkpoint {info.path} does not fit its recorded config ({detail[:200]})") from None
+    model = model.to(device=dev, dtype=select_dtype(dtype, dev)).eval()
+    return LoadedModel(model, spec, info.step, info.path, config, dev)

@@ -1,0 +1,92 @@
+"""What a run's records say about its end: the final step, the loss there, and whether it diverged or its
+records disagree.
+
+A report must never show a figure from another step as the final one (a diverged run's NaN dropped, its
+step-0 loss shown instead), nor pair a diverged run with the control: such a run is flagged, its final
+figure is its non-finite value, and the paired statistics leave it out and count it with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trmoe.report.runs import Run
+from trmoe.train.status import FINISHED
+
+# status.json's final_eval_loss and metrics.csv's last eval_loss are the same float, written once with
+# repr and once with 9 significant digits
+_SAME = 1e-7
+
+
+@dataclass
+class Integrity:
+    final_step: int | None  # the run's final step: trainer.steps if it finished, else its last logged step
+    final_eval: (
+        float | None
+    )  # the held-out loss at final_step (NaN/inf kept), None if none was recorded there
+    diverged: str | None = None  # why the run counts as diverged (a non-finite loss), else None
+    disagreements: list[str] = field(default_factory=list)  # records that contradict each other
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def value_at(run: Run, step: float | None, column: str) -> float | None:
+    """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing:
+    metrics.csv writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
+    if step is None:
+        return None
+    for row in reversed(run.rows):
+        if row.get("step") == step and column in row:
+            return row[column]
+    return None
+
+
+def assess(run: Run) -> Integrity:
+    steps = [r["step"] for r in run.rows if math.isfinite(r.get("step", math.nan))]
+    last_logged = int(max(steps)) if steps else None
+    planned = run.config_value("trainer.steps")
+    status_record = run.status_record
+    recorded = _number(status_record.get("final_eval_loss"))
+    finished = run.status == FINISHED
+    final_step = planned if finished and isinstance(planned, int) else last_logged
+    out = Integrity(final_step=final_step, final_eval=None)
+
+    logged = value_at(run, final_step, "eval_loss") if final_step is not None else None
+    if finished and last_logged != final_step:
+        where = f"ends at step {last_logged}" if last_logged is not None else "has no rows"
+        out.disagreements.append(
+            f"metrics.csv {where}, but status.json says finished at step {final_step} (truncated?)"
+        )
+    if finished and recorded is not None and logged is not None and not _same(recorded, logged):
+        out.disagreements.append(
+            f"status.json says final eval loss {recorded:.6g}, metrics.csv {logged:.6g} at step {final_step}"
+        )
+    # The final figure comes from the final step only: its metrics.csv row, else status.json's figure (written
+    # at that step). The final step is always evaluated, so a NaN there is the run's (a diverged run's); in
+    # an unfinished run's last row it may only mean "not evaluated at this step".
+    if finished:
+        out.final_eval = logged if logged is not None else recorded
+    elif logged is not None and math.isfinite(logged):
+        out.final_eval = logged
+
+    reasons = []
+    if out.final_eval is not None and not math.isfinite(out.final_eval):
+        reasons.append(f"eval loss {out.final_eval} at the final step {final_step}")
+    elif recorded is not None and not math.isfinite(recorded):
+        reasons.append(f"status.json's final eval loss is {recorded}")
+    last_train = value_at(run, last_logged, "train_loss") if last_logged else None
+    if last_train is not None and not math.isfinite(last_train):
+        reasons.append(f"train loss {last_train} at step {last_logged}")
+    out.diverged = "; ".join(reasons) or None
+    return out
+
+
+def _same(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= _SAME * max(1.0, abs(a))

@@ -1,0 +1,80 @@
+"""Live efficiency columns of metrics.csv: model FLOPs utilisation (MFU) and peak device memory.
+
+MFU = tokens/s per device x training FLOPs per token (trmoe.model.flops) / the device's peak FLOP/s. The peak
+is `hardware.peak_tflops` when set, else the datasheet figure of a known GPU at the run's precision, else a
+measured probe: the median of a few square GEMMs at the run's precision, timed once at start-up (a CPU, an
+unknown GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from trmoe.model.flops import datasheet_peak
+
+log = logging.getLogger("trmoe")
+
+PROBE_N = 512  # the probe GEMM: big enough to run near the peak of a real GEMM on CPU, ~10 ms a repeat
+
+
+def probe_peak_flops(device: torch.device, dtype: torch.dtype, n: int = PROBE_N, reps: int = 3) -> float:
+    """Measured FLOP/s of an n^3 GEMM on `device` in `dtype` (median of `reps`, after one warm-up)."""
+    gen = torch.Generator(device=device).manual_seed(0)  # its own: the run's global RNG stays untouched
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    times = []
+    for i in range(reps + 1):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_flops(
+    device: torch.device, amp_dtype: torch.dtype | None, override_tflops: float | None
+) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12, "hardware.peak_tflops"
+    precision = "fp32" if amp_dtype is None else "bf16"
+    if device.type == "cuda":
+        peak = datasheet_peak(torch.cuda.get_device_name(device), precision)
+        if peak is not None:
+            return peak, f"datasheet {precision}"
+    dtype = torch.float32 if amp_dtype is None else amp_dtype
+    return probe_peak_flops(device, dtype), f"measured {PROBE_N}^3 {str(dtype).replace('torch.', '')} GEMM"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: the CUDA caching allocator's peak allocation, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class EfficiencyMeter:
+    """The `mfu` and `peak_mem_gib` columns of a metrics row, from its per-device tokens/s."""
+
+    def __init__(self, device: torch.device, flops_per_token: int, peak: float, source: str):
+        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
+        log.info("MFU: %.3g FLOPs per token, peak %.4g TFLOP/s (%s)", flops_per_token, peak / 1e12, source)
+
+    def columns(self, tok_s_per_device: float) -> dict[str, float]:
+        return {
+            "mfu": tok_s_per_device * self.flops_per_token / self.peak,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }

@@ -1,0 +1,72 @@
+"""When the run directory cannot be written: a full disk, a quota, a read-only filesystem, an I/O error.
+
+Such a failure ends the run with one line and exit code 3 (`RunFailed`), never a traceback: the line names
+the file and the newest complete checkpoint, `status.json` says failed (rewritten in place when there is no
+room for a new file: `trmoe.train.status.write_status`), and no temporary file is left behind. A failed
+periodic checkpoint is not such a failure: the run goes on (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+from pathlib import Path
+
+from trmoe.errors import RunFailed
+
+# a full disk or quota, a read-only or failing filesystem: whatever file it hit
+FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def is_storage_error(exc: BaseException, run_dir: Path) -> bool:
+    """An OSError of the run directory's storage: a full or read-only filesystem, or no permission on a file
+    of the run directory (not on an input: reading the data is another error)."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in FULL_OR_READ_ONLY:
+        return True
+    if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename is not None:
+        run = Path(run_dir).absolute()
+        path = Path(str(exc.filename)).absolute()
+        return path == run or run in path.parents
+    return False
+
+
+def failure(exc: OSError, run_dir: Path, newest: str | None) -> RunFailed:
+    """The one line of a run stopped by its storage."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return RunFailed(
+        f"cannot write the run directory {run_dir}: {exc.strerror}{where}; the newest complete checkpoint "
+        f"is {newest or 'none'}"
+    )
+
+
+class LogFile(logging.FileHandler):
+    """train.log. A write that fails (a full disk) is said once, in one line on stderr, and the log stops
+    there; the run itself stops at its next write of metrics or a checkpoint. (logging's default prints a
+    traceback for every message.)"""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        exc = sys.exc_info()[1]
+        if self.broken or not isinstance(exc, OSError):
+            return super().handleError(record)
+        self.broken = True
+        os.write(
+            2, f"trmoe: cannot write {self.baseFilename}: {exc.strerror}; train.log stops here\n".encode()
+        )
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the buffer a full disk refused: already said by handleError
+            self.broken = True

@@ -1,0 +1,285 @@
+"""Experiment trackers (the `logger` config group): TensorBoard, MLflow, Weights & Biases beside metrics.csv.
+
+metrics.csv is always written and stays the source of truth; each chosen tracker gets the same scalars
+(every finite column of each metrics row, under the column's name, at the row's step), the resolved config as
+hyper-parameters and the run's identity (run name, directory, trmoe version, config hash). Only rank 0 logs.
+
+With telemetry.moe=true each logged step's telemetry.csv rows (one per layer) go along with its metrics row:
+every finite column as a scalar named telemetry/layer_<i>/<column> (TensorBoard, W&B: their sections are
+the parts before a "/") or telemetry.layer_<i>.<column> (MLflow), and in TensorBoard each layer's expert
+shares also as a histogram, telemetry/layer_<i>/shares.
+
+A resumed run continues the same tracker run: MLflow's run id and W&B's id are kept in
+<run dir>/trackers.json, and no step is logged twice — TensorBoard purges what the killed attempt logged after
+the checkpoint (a SessionLog START at the resumed step, which TensorBoard's readers honour); MLflow and W&B,
+whose histories only append, get the rows after the last step they already hold (a CPU resume recomputes those
+rows bit for bit).
+
+The trackers are optional extras (`pip install trmoe[trackers]`), imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from trmoe.config.schema import LoggerConfig
+from trmoe.errors import UserError
+from trmoe.train.records import write_atomic
+from trmoe.train.rundir import TRACKERS as TRACKERS_FILE
+
+log = logging.getLogger("trmoe")
+
+# the package each tracker needs, and the extra that installs it
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def _require(name: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(_PACKAGES[name]) is None:
+        raise UserError(
+            f"config error: logger={name}: the {_PACKAGES[name]} package is not installed; "
+            "allowed: pip install 'trmoe[trackers]', or a logger that is installed (csv is always written)"
+        )
+
+
+def chosen(cfg: LoggerConfig) -> list[str]:
+    return [name for name in _PACKAGES if getattr(cfg, name) is not None]
+
+
+def check_installed(cfg: LoggerConfig) -> None:
+    """Before anything is written: every chosen tracker's package can be imported."""
+    for name in chosen(cfg):
+        _require(name)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys with scalar values (None as the string 'null'), lists as text."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    key = prefix.rstrip(".")
+    if node is None:
+        return {key: "null"}
+    if isinstance(node, bool | int | float | str):
+        return {key: node}
+    return {key: json.dumps(node)}
+
+
+def scalars(row: dict[str, Any], skip: tuple[str, ...] = ("step",)) -> dict[str, float]:
+    """The finite numeric columns of a metrics row, step excluded (it is the x axis)."""
+    out = {}
+    for key, value in row.items():
+        if key in skip or value is None or isinstance(value, bool):
+            continue
+        value = float(value)
+        if math.isfinite(value):
+            out[key] = value
+    return out
+
+
+def layer_scalars(rows: list[dict[str, Any]], sep: str) -> dict[str, float]:
+    """The per-layer telemetry rows of one step as scalars named telemetry<sep>layer_<i><sep><column>."""
+    out = {}
+    for row in rows:
+        prefix = f"telemetry{sep}layer_{row['layer']}{sep}"
+        out.update({prefix + key: v for key, v in scalars(row, skip=("step", "layer")).items()})
+    return out
+
+
+def _shares(row: dict[str, Any]) -> list[float]:
+    """A telemetry row's expert shares (share_0, share_1, ...; none for a layer without routed slots)."""
+    return [v for k, v in row.items() if k.startswith("share_") and v is not None]
+
+
+class _TensorBoard:
+    def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.dir = run_dir / cfg.dir
+        # a resumed run: the killed attempt's events after the checkpoint are dropped by TensorBoard's readers
+        self.writer = SummaryWriter(
+            str(self.dir), purge_step=None if resume_step is None else resume_step + 1
+        )
+        if resume_step is None:
+            exp, ssi, sei = hparams(flatten(config), {"eval_loss": math.nan})
+            for summary in (exp, ssi, sei):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in identity.items()))
+        self.state: dict = {}
+
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
+        for key, value in (values | layer_scalars(layers, "/")).items():
+            self.writer.add_scalar(key, value, step)
+        for row in layers:
+            shares = _shares(row)
+            if shares:
+                import numpy as np
+
+                self.writer.add_histogram(f"telemetry/layer_{row['layer']}/shares", np.array(shares), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _MLflow:
+    def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, previous: dict | None):
+        from mlflow.tracking import MlflowClient
+
+        uri = cfg.tracking_uri
+        if uri is None:  # the local file store: MLflow 3 keeps it (in maintenance mode) behind an opt-in
+            uri = (run_dir.resolve().parent / "mlruns").as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        self.last_step = -1
+        if previous and previous.get("tracking_uri") == uri:
+            self.run_id = previous["run_id"]
+            history = self.client.get_metric_history(self.run_id, "tokens")  # in every row
+            self.last_step = max((m.step for m in history), default=-1)
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(cfg.experiment)
+            exp_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else self.client.create_experiment(cfg.experiment)
+            )
+            run = self.client.create_run(exp_id, run_name=identity["run_name"], tags=_tags(identity))
+            self.run_id = run.info.run_id
+            from mlflow.entities import Param
+
+            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
+            for i in range(0, len(params), 100):  # MLflow's batch limit
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.state = {"tracking_uri": uri, "run_id": self.run_id}
+
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
+        if step <= self.last_step:  # the killed attempt logged it already (append-only history)
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in (values | layer_scalars(layers, ".")).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit (per-layer telemetry can exceed it)
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+        self.last_step = step
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+class _Wandb:
+    def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, previous: dict | None):
+        import wandb
+
+        run_id = previous["id"] if previous else None
+        self.last_step = previous.get("last_step", -1) if previous else -1
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group,
+            mode=cfg.mode.value,
+            dir=str(run_dir),
+            name=identity["run_name"],
+            id=run_id,
+            resume="allow" if run_id else None,
+            config=config,
+            tags=[f"trmoe-{identity['trmoe_version']}"],
+            notes=identity["run_dir"],
+        )
+        self.run_dir = run_dir
+        self.state = {"id": self.run.id, "last_step": self.last_step}
+
+    def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
+        if step <= self.last_step:
+            return
+        self.run.log(values | layer_scalars(layers, "/"), step=step)
+        self.last_step = self.state["last_step"] = step
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def _tags(identity: dict) -> dict[str, str]:
+    return {f"trmoe.{k}": str(v) for k, v in identity.items()}
+
+
+class Trackers:
+    """The chosen trackers of a run (rank 0): `log(row, layers)` beside each metrics.csv row (and its
+    telemetry.csv rows), `close()` at the end."""
+
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        run_dir: Path,
+        *,
+        identity: dict[str, Any],
+        config: dict[str, Any],
+        resume_step: int | None,
+    ):
+        """`resume_step`: None for a new run; else the step the run continues after (its checkpoint's, or
+        -1 for a run restarted from the beginning), whose tracker runs (trackers.json) go on."""
+        self.run_dir = run_dir
+        self._trackers: dict[str, Any] = {}
+        names = chosen(cfg)
+        if not names:
+            return
+        check_installed(cfg)
+        path = run_dir / TRACKERS_FILE
+        previous = json.loads(path.read_text()) if resume_step is not None and path.is_file() else {}
+        for name in names:
+            if name == "tensorboard":
+                tracker = _TensorBoard(cfg.tensorboard, run_dir, identity, config, resume_step)
+            elif name == "mlflow":
+                tracker = _MLflow(cfg.mlflow, run_dir, identity, config, previous.get("mlflow"))
+            else:
+                tracker = _Wandb(cfg.wandb, run_dir, identity, config, previous.get("wandb"))
+            self._trackers[name] = tracker
+        self._save()
+        log.info("trackers: %s", ", ".join(names))
+
+    def _save(self) -> None:
+        state = {name: t.state for name, t in self._trackers.items() if t.state}
+        if state:
+            write_atomic(self.run_dir / TRACKERS_FILE, json.dumps(state, indent=2))
+
+    def log(self, row: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> None:
+        """A metrics row and the telemetry.csv rows of the same step (`layers`, telemetry.moe), at once:
+        a tracker that skips the steps it already holds skips both."""
+        if not self._trackers:
+            return
+        values = scalars(row)
+        for tracker in self._trackers.values():
+            tracker.log(values, int(row["step"]), layers or [])
+        if "wandb" in self._trackers:
+            self._save()  # W&B's high-water mark: a resume logs only the steps after it
+
+    def close(self, status: str = "FINISHED") -> None:
+        for name, tracker in self._trackers.items():
+            try:
+                tracker.close() if name == "tensorboard" else tracker.close(status)
+            except Exception as e:  # a tracker must not turn a finished run into a failed one
+                log.warning("tracker %s did not close cleanly: %s", name, e)
+        self._trackers = {}
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from trmoe.train.signals import Preempted
+
+        if exc_type is None:
+            self.close("FINISHED")
+        else:  # a preempted run is resumed into the same tracker run (RUNNING again)
+            self.close("KILLED" if issubclass(exc_type, Preempted | KeyboardInterrupt) else "FAILED")
