@@ -18,7 +18,11 @@ RUN_LIFECYCLE = (
     "trmoe.train.checkpoint",
     "trmoe.train.records",
     "trmoe.train.status",
+    "trmoe.train.runlock",
+    "trmoe.train.storage",
+    "trmoe.train.signals",
     "trmoe.report.runs",
+    "trmoe.report.build",
 )
 # ... and what trains it.
 TRAINING_INTERNALS = (
@@ -26,6 +30,11 @@ TRAINING_INTERNALS = (
     "trmoe.train.optim",
     "trmoe.train.schedule",
     "trmoe.train.trainer",
+    "trmoe.train.evaluation",
+    "trmoe.train.downstream",
+    "trmoe.train.output",
+    "trmoe.train.guards",
+    "trmoe.train.metrics",
     "trmoe.train.loss",
     "trmoe.model.transformer",
 )
