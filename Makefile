@@ -9,6 +9,9 @@ STAMP := $(VENV)/.trmoe-installed
 # `make train TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Test processes (pytest-xdist; `auto` = one per core). Each test file runs whole in one process, so a file's
+# module fixtures are built once; TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= auto
 
 .PHONY: install train test lint clean
 
@@ -24,7 +27,7 @@ train: $(STAMP)
 	$(PY) -m trmoe.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trmoe tests
