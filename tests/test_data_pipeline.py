@@ -45,14 +45,6 @@ def text_documents(n: int, seed: int = 0) -> list[str]:
     ]
 
 
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    """Runs with hardware.threads set change torch's process-wide thread count: restore it for other tests."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """A prepared o200k dataset (train/ + eval/) of 200 short documents."""
