@@ -31,7 +31,7 @@ def loop(trainer: Trainer, stop: StopSignals) -> float:
         trainer.maybe_log(step)  # a metrics row (with an evaluation) at the log steps
         trainer.maybe_save(step)  # the checkpoint cadence, and the final step
         trainer.check_guard(step)  # too many non-finite steps in a row: stop
-        signum = stop.agreed()  # SIGUSR2 / SIGTERM on any rank: save here, then stop (requeue resumes)
+        signum = stop.agreed()  # a stop signal on any rank (SIGUSR2, SIGTERM, Ctrl-C, SIGHUP): save, stop
         if signum is not None and step < steps:
             trainer.preempt(step, stop, signum)
     return trainer.finish()
