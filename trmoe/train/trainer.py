@@ -38,6 +38,7 @@ from trmoe.config.schema import Config, SpikePolicy
 from trmoe.data.pipeline import DataPipeline, global_batch_samples, global_batch_tokens, micro_batch_samples
 from trmoe.errors import RunFailed
 from trmoe.model.flops import flops_per_token
+from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.train import env, guards, meters, parallel, records, signals
 from trmoe.train.checkpoint import CheckpointError, CheckpointStore
@@ -70,7 +71,7 @@ class Trainer:
         dist_env: DistEnv,
         device: torch.device,
         amp_dtype: torch.dtype | None,
-        spec,
+        spec: ModelSpec,
         downstream: Downstream,
     ):
         self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
