@@ -1,7 +1,8 @@
 """Where a run's metrics rows go: metrics.csv, the experiment trackers and the console display.
 
-One component, so that a row reaches all of them at once and a rollback rewinds them together. Rank 0 writes;
-the ranks > 0 of a distributed run compute the same rows (their reductions are collective) and write nothing.
+One component, so that a row reaches all of them at once. Rank 0 writes; the ranks > 0 of a distributed run
+compute the same rows (their reductions are collective) and write nothing. A rollback rewinds metrics.csv; the
+trackers keep what they logged (MLflow and W&B skip the replayed steps, TensorBoard records them again).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class RunOutput:
         self.trackers.log(row, layers=layers)
         if eta_s is not None:
             self.progress.report(row, self.total_steps, eta_s=eta_s)
+
+    def rewind(self, step: int) -> None:
+        """metrics.csv back to its rows up to `step` (a rollback to that step's checkpoint)."""
+        self.metrics.rewind(step)
 
     def close_files(self) -> None:
         """metrics.csv and the display (idempotent)."""

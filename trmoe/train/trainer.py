@@ -337,7 +337,7 @@ class Trainer:
         self.controls.rewind(target.step)
         self.load_state_dict(state, load_data=True)
         guard.apply_carry(carry)
-        self.output.metrics.rewind(target.step)
+        self.output.rewind(target.step)
         self.store.last_saved = target.step
         log.warning(
             "step %d: %s; rolled back to %s: steps %d..%d are recomputed, batch %d is skipped",
