@@ -4,7 +4,6 @@ bit-exact resume, DDP and FSDP equal to the single process over the same micro-b
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, compose_config, run_cli
+from helpers import TIMING_COLUMNS, compose_config, metrics_rows, run_cli
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu
@@ -146,11 +145,6 @@ RUN = [
 ]
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
 def test_kill_then_resume_is_bit_exact(tmp_path):
     args = [*RUN, "run.name=r", "trainer.micro_batch=2", "trainer.steps=8", "trainer.log_every=1"]
     args += ["checkpoint.every_steps=4"]
@@ -182,7 +176,7 @@ def test_kill_then_resume_is_bit_exact(tmp_path):
     for index, state in b["optimizer"]["state"].items():
         for name, value in state.items():
             assert torch.equal(a["optimizer"]["state"][index][name], value), (index, name)
-    rows_a, rows_b = _rows(run_dir), _rows(tmp_path / "base")
+    rows_a, rows_b = metrics_rows(run_dir), metrics_rows(tmp_path / "base")
     assert len(rows_a) == len(rows_b) == 9
     for ra, rb in zip(rows_a, rows_b, strict=True):
         for column in ra:
@@ -217,7 +211,7 @@ def test_ddp_and_fsdp_equal_the_single_process_over_the_same_micro_batches(tmp_p
     for name, (overrides, nproc) in cases.items():
         out = _launch(tmp_path / name, overrides, nproc)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        rows = [r for r in _rows(tmp_path / name) if int(r["step"]) > 0]
+        rows = [r for r in metrics_rows(tmp_path / name) if int(r["step"]) > 0]
         figures[name] = [[float(r[c]) for c in ("train_loss", "router_aux", "router_z")] for r in rows]
     assert len(figures["single"]) == 4
     for name in ("ddp", "fsdp"):

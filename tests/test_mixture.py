@@ -12,7 +12,6 @@ Parquet file streamed by `fineweb` (a reader with a cursor) — blended 0.8 / 0.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import compose_config, metrics_rows, run_cli
 from test_resume import DRIVER, assert_same_run
 
 from trmoe.config.resolve import to_config
@@ -177,13 +176,8 @@ def trained(corpora, tmp_path_factory) -> Path:
     return run_dir
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
 def test_per_source_eval_columns_and_epochs_are_recorded(trained):
-    rows = _rows(trained)
+    rows = metrics_rows(trained)
     evals = [r for r in rows if r["eval_loss"] != "nan"]
     assert [r["step"] for r in evals] == ["0", "6", "12"]
     for r in evals:
@@ -247,7 +241,7 @@ def test_two_ranks_equal_one_at_the_same_global_batch(corpora, trained, tmp_path
     cmd += ["-m", "trmoe.train", *mixture(corpora), *RUN, "trainer.micro_batch=4", "trainer.eval_batches=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    single, ddp = _rows(trained), _rows(run_dir)
+    single, ddp = metrics_rows(trained), metrics_rows(run_dir)
     assert [r["step"] for r in ddp] == [r["step"] for r in single]
     for column in ("train_loss", "eval_loss", "eval_loss/help", "eval_loss/code"):
         a = [float(r[column]) for r in single]
@@ -259,7 +253,7 @@ def test_the_report_tables_each_source_per_arm(trained, tmp_path):
     rep = build_report([trained], tmp_path / "report", make_plots=False)
     text = rep.markdown
     assert "## Per-source held-out loss" in text
-    final = _rows(trained)[-1]
+    final = metrics_rows(trained)[-1]
     for source in ("help", "code"):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {source} |"))
         assert f"{float(final[f'eval_loss/{source}']):.4f}" in line

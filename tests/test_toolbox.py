@@ -3,12 +3,11 @@ progress line) and the debug presets (conf/debug/: fast, overfit, profile, anoma
 
 from __future__ import annotations
 
-import csv
 import json
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config
+from helpers import FAST_CPU, compose_config, metrics_rows
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import RunFailed, UserError
@@ -19,11 +18,6 @@ from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 
 FAST = [*FAST_CPU, "trainer.micro_batch=2", "trainer.log_every=2"]
-
-
-def _rows(run_dir) -> list[dict]:
-    with open(run_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def test_progress_bar_mode_keeps_every_log_line_in_train_log(tmp_path, one_thread, capsys):
@@ -38,7 +32,7 @@ def test_progress_bar_mode_keeps_every_log_line_in_train_log(tmp_path, one_threa
 def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
     cfg = compose_config(*FAST, "trainer.steps=4", "hardware.peak_tflops=0.5")
     train(cfg, tmp_path / "r")
-    rows = [r for r in _rows(tmp_path / "r") if r["step"] != "0"]
+    rows = [r for r in metrics_rows(tmp_path / "r") if r["step"] != "0"]
     config = to_config(cfg)
     spec = model_spec(config)
     flops = flops_per_token(spec, count_parameters(TRMoETransformer(spec)), config.trainer.seq_len)
@@ -50,14 +44,14 @@ def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
 
     train(compose_config(*FAST, "trainer.steps=2"), tmp_path / "probe")  # CPU: a measured peak
     assert "TFLOP/s (measured 512^3 float32 GEMM)" in (tmp_path / "probe" / "train.log").read_text()
-    mfu = [float(r["mfu"]) for r in _rows(tmp_path / "probe") if r["step"] != "0"]
+    mfu = [float(r["mfu"]) for r in metrics_rows(tmp_path / "probe") if r["step"] != "0"]
     assert all(0 < m < 1 for m in mfu), mfu
 
 
 def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread):
     run_dir = tmp_path / "r"
     train(compose_config(*FAST_CPU, "debug=fast"), run_dir)
-    assert [r["step"] for r in _rows(run_dir)] == ["0", "1", "2"]
+    assert [r["step"] for r in metrics_rows(run_dir)] == ["0", "1", "2"]
     assert list((run_dir / "checkpoints").rglob("*")) == []  # (nor a directory of its own, as it happens)
     assert status.read_status(run_dir)["status"] == status.FINISHED
     assert (
@@ -67,7 +61,7 @@ def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread
     # launched again it cannot resume: it starts over at step 0, as a run killed before a checkpoint does
     train(compose_config(*FAST_CPU, "debug=fast"), run_dir)
     assert "=== restart from step 0" in (run_dir / "train.log").read_text()
-    assert [r["step"] for r in _rows(run_dir)] == ["0", "1", "2"]
+    assert [r["step"] for r in metrics_rows(run_dir)] == ["0", "1", "2"]
     assert list((run_dir / "checkpoints").rglob("*")) == []
 
 
@@ -88,13 +82,13 @@ def test_a_spike_rollback_without_checkpoints_is_one_line_naming_both_keys():
 
 def test_debug_overfit_drives_the_loss_of_one_batch_near_zero(tmp_path, one_thread):
     train(compose_config(*FAST, "debug=overfit", "trainer.steps=80", "trainer.log_every=20"), tmp_path / "r")
-    losses = [float(r["train_loss"]) for r in _rows(tmp_path / "r") if r["step"] != "0"]
+    losses = [float(r["train_loss"]) for r in metrics_rows(tmp_path / "r") if r["step"] != "0"]
     assert losses[0] > 5 and losses[-1] < 0.1, losses
     # without it, the same run on fresh batches of random ids stays near ln(256)
     train(
         compose_config(*FAST, "trainer.steps=80", "trainer.log_every=20", "optimizer.lr=3e-3"), tmp_path / "b"
     )
-    assert float(_rows(tmp_path / "b")[-1]["train_loss"]) > 4.5
+    assert float(metrics_rows(tmp_path / "b")[-1]["train_loss"]) > 4.5
 
 
 def test_debug_profile_writes_a_trace_and_the_top_ops(tmp_path, one_thread):
@@ -120,7 +114,7 @@ def test_debug_anomaly_names_the_op_of_a_nan_gradient(tmp_path, one_thread, monk
 
     monkeypatch.setattr(TrainingControls, "forward", forward)
     train(compose_config(*FAST, "trainer.steps=2", "guard.max_skips=5"), tmp_path / "skips")
-    rows = _rows(tmp_path / "skips")
+    rows = metrics_rows(tmp_path / "skips")
     assert rows[-1]["skipped_steps"] == "2"  # without anomaly mode: skipped as non-finite, silently
     assert not torch.is_anomaly_enabled()
     with pytest.raises(RuntimeError, match=r"Function '\w+Backward\d*' returned nan values"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import compose_config, metrics_rows, run_cli
 
 from trmoe.train.checkpoint import load_checkpoint
 from trmoe.train.loop import train
@@ -28,11 +28,6 @@ FAST = [
 ]
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, float]:
     run_dir = tmp_path_factory.mktemp("run") / "r"
@@ -44,7 +39,7 @@ def trained(tmp_path_factory) -> tuple[Path, float]:
 
 def test_loss_decreases_and_the_app_returns_the_final_eval_loss(trained):
     run_dir, final = trained
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"] != "nan"]
     assert [s for s, _ in evals] == [0, 20, 40]
     start = evals[0][1]
@@ -73,9 +68,9 @@ def test_run_directory_holds_every_record(trained):
     assert "commit" in rc["git"]
     with open(run_dir / "metrics.csv") as f:
         assert tuple(next(csv.reader(f))) == METRIC_COLUMNS
-    steps = [int(r["step"]) for r in _rows(run_dir)]
+    steps = [int(r["step"]) for r in metrics_rows(run_dir)]
     assert steps == [0, 1, 10, 20, 30, 40]
-    assert all(float(r["tok_s"]) > 0 for r in _rows(run_dir)[1:])
+    assert all(float(r["tok_s"]) > 0 for r in metrics_rows(run_dir)[1:])
     ckpt = load_checkpoint(run_dir / "checkpoints")
     assert ckpt["step"] == 40 and "blocks.0.ffn.routed.route_table" in ckpt["model"]
     assert "run directory" in (run_dir / "train.log").read_text()
@@ -86,14 +81,14 @@ def test_same_config_gives_identical_metrics(tmp_path):
     b = train(compose_config(*FAST, "trainer.steps=6", "trainer.log_every=1"), tmp_path / "b")
     assert a == b
     loss_columns = ("train_loss", "train_objective", "eval_loss", "grad_norm")
-    rows_a, rows_b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    rows_a, rows_b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert [[r[c] for c in loss_columns] for r in rows_a] == [[r[c] for c in loss_columns] for r in rows_b]
     wa = load_checkpoint(tmp_path / "a" / "checkpoints")["model"]
     wb = load_checkpoint(tmp_path / "b" / "checkpoints")["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # and trainer.seed is what sets them: another seed, another initialisation (its step-0 eval differs)
     train(compose_config(*FAST, "trainer.steps=6", "trainer.log_every=1", "trainer.seed=1"), tmp_path / "c")
-    rows_c = _rows(tmp_path / "c")
+    rows_c = metrics_rows(tmp_path / "c")
     assert rows_c[0]["step"] == rows_a[0]["step"] == "0" and rows_c[0]["eval_loss"] != rows_a[0]["eval_loss"]
     wc = load_checkpoint(tmp_path / "c" / "checkpoints")["model"]
     assert not torch.equal(wa["embed.weight"], wc["embed.weight"])
@@ -110,7 +105,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
         ),
         tmp_path / "acc",
     )
-    big_rows, acc_rows = _rows(tmp_path / "big"), _rows(tmp_path / "acc")
+    big_rows, acc_rows = metrics_rows(tmp_path / "big"), metrics_rows(tmp_path / "acc")
     for a, b in zip(big_rows[1:], acc_rows[1:], strict=True):
         assert int(a["tokens"]) == int(b["tokens"])
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), abs=1e-5)
@@ -124,7 +119,7 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
 def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
     def run(name: str, *loss: str) -> tuple[list[dict], dict]:
         train(compose_config(*FAST, "trainer.steps=2", "trainer.log_every=1", *loss), tmp_path / name)
-        return _rows(tmp_path / name), load_checkpoint(tmp_path / name / "checkpoints")["model"]
+        return metrics_rows(tmp_path / name), load_checkpoint(tmp_path / name / "checkpoints")["model"]
 
     plain, w_plain = run("plain")
     z, w_z = run("z", "loss.z_loss=1e-3")
@@ -242,7 +237,7 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
         train(cfg, tmp_path / "r")
     # host values: the window's token count (summed over ranks) and p's exact route weights, rounded once
     assert made <= {"totals", "all_reduce_sum", "primary_weight"}, made
-    rows = _rows(tmp_path / "r")
+    rows = metrics_rows(tmp_path / "r")
     assert all(math.isfinite(float(r["train_loss"])) for r in rows[1:])
 
 

@@ -7,6 +7,7 @@ import io
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,11 +298,7 @@ def _per_source_section(rep: Report) -> list[str]:
         def loss(s: Summary, name: str = name) -> float | None:
             return s.sources.get(name, (None, None))[0]
 
-        pairs = (
-            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, loss)}
-            if rep.control
-            else {}
-        )
+        pairs = _pairs_by_arm(rep, loss)
         for arm in rep.arms:
             done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
             losses = [v for v in (loss(s) for s in done) if v is not None]
@@ -319,6 +316,13 @@ def _per_source_section(rep: Report) -> list[str]:
             )
     return lines + _table(
         ["source", "arm", "seeds", "final loss", "bpb", "mean Δ", "95% interval", "reading"], rows
+    )
+
+
+def _pairs_by_arm(rep: Report, value: Callable[[Summary], float | None]) -> dict[str, Pair]:
+    """Each arm's paired comparison with the control on `value(summary)` (none without a control)."""
+    return (
+        {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, value)} if rep.control else {}
     )
 
 
@@ -358,11 +362,7 @@ def _accuracy_section(rep: Report) -> list[str]:
         def value(s: Summary, column: str = column) -> float | None:
             return s.accuracies.get(column)
 
-        pairs = (
-            {p.arm.label: p for p in paired(rep.arms, rep.control, rep.summaries, value)}
-            if rep.control
-            else {}
-        )
+        pairs = _pairs_by_arm(rep, value)
         for arm in rep.arms:
             done = [rep.summaries[r.name] for r in arm.runs if r.status == "finished"]
             values = [v for v in (value(s) for s in done) if v is not None]
