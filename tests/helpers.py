@@ -236,7 +236,7 @@ def assert_same_run(run_dir: Path, baseline: Path) -> None:
     """The same final checkpoint (weights and optimizer state) and metrics.csv but its timing columns."""
     import torch
 
-    from trmoe.train.checkpoint import load_checkpoint
+    from trmoe.run.checkpoint import load_checkpoint
 
     a, b = load_checkpoint(run_dir), load_checkpoint(baseline)
     assert a["step"] == b["step"]
@@ -260,7 +260,7 @@ def assert_same_run(run_dir: Path, baseline: Path) -> None:
 
 def assert_latest_sane(run_dir: Path) -> None:
     """`latest` is absent or names a checkpoint that verifies (size and CRC32 of every file)."""
-    from trmoe.train.checkpoint import CheckpointStore, read_pointer
+    from trmoe.run.checkpoint import CheckpointStore, read_pointer
 
     directory = run_dir / "checkpoints"
     name = read_pointer(directory)

@@ -25,7 +25,7 @@ import shutil
 import signal
 import sys
 
-import trmoe.train.checkpoint as ckpt
+import trmoe.run.checkpoint as ckpt
 from trmoe.train.controls import TrainingControls
 
 current = {"step": 0, "saving": None}
@@ -78,7 +78,7 @@ def install(fault: str) -> None:
         TrainingControls.loss = nan_loss
 
     if kind == "eval":
-        import trmoe.train.evaluation as evaluation
+        import trmoe.train.observe.evaluation as evaluation
 
         evaluate = evaluation.evaluate
 

@@ -13,14 +13,14 @@ import torch
 import torch.distributed as dist
 from helpers import compose_config, spawn_ranks
 
-from trmoe.train import distributed
-from trmoe.train.checkpoint import (
+from trmoe.run.checkpoint import (
     CheckpointError,
     CheckpointStore,
     load_checkpoint,
     read_pointer,
     resolve_checkpoint,
 )
+from trmoe.runtime import distributed
 from trmoe.train.loop import train
 
 
@@ -172,7 +172,7 @@ def test_a_latest_pointer_that_is_not_text_is_no_pointer(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "dcp"])
 def test_model_shapes_are_read_without_loading_the_tensors(tmp_path, fmt):
-    from trmoe.train.checkpoint import model_shapes
+    from trmoe.run.checkpoint import model_shapes
 
     model, optimizer = _model_and_optimizer()
     model.register_buffer("table", torch.zeros(3, dtype=torch.int32))
@@ -267,7 +267,7 @@ def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
 
 def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
     """Rank `failing` cannot write its rank file (a full disk on its node) at step 2."""
-    from trmoe.train import checkpoint
+    from trmoe.run import checkpoint
 
     _join(rank, world, out)
     try:

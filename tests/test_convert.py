@@ -14,7 +14,7 @@ from helpers import compose_config, run_cli
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.convert import primary_weight
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
 
 V, H, L, HEADS, KV, SHARED, E, IE = 1000, 64, 3, 4, 2, 96, 4, 8
 

@@ -23,8 +23,8 @@ from trmoe.data.prepare import prepare
 from trmoe.data.shards import BIN_NAME, INDEX_NAME
 from trmoe.data.tokenizer import EOS_ID, load_o200k
 from trmoe.errors import UserError
+from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
-from trmoe.train.records import METRIC_COLUMNS
 
 # hardware.threads=1: these runs are tiny, and a second intra-op thread only adds wake-ups on a busy machine.
 FAST = [

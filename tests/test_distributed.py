@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
 
 TINY = [
     "data=random",

@@ -1,4 +1,4 @@
-"""Downstream accuracy during training (`downstream.tasks`, trmoe/train/downstream.py): the harness's acc and
+"""Downstream accuracy during training (`downstream.tasks`, observe/downstream.py): the harness's acc and
 acc_norm on the local task as metrics.csv columns, equal to `python -m trmoe.eval` on the same checkpoint;
 training unchanged by it; kill -9 and resume keeps the columns bit-identical; a 2-arm x 2-seed sweep's
 report tables the accuracies with paired intervals; bad input is one line and exit 2, nothing written."""
@@ -19,7 +19,7 @@ from test_resume import DRIVER, assert_same_run
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
-from trmoe.train.checkpoint import load_checkpoint  # noqa: E402
+from trmoe.run.checkpoint import load_checkpoint  # noqa: E402
 from trmoe.train.loop import train  # noqa: E402
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
@@ -92,7 +92,7 @@ def test_columns_are_written_and_equal_python_m_trmoe_eval(with_tasks, corpus, t
         assert result.returncode == 0, result.stderr[-3000:]
         figures = json.loads(out.read_text())["results"][TASK]
         row = next(r for r in rows if r["step"] == str(step))
-        # metrics.csv writes 9 significant digits (trmoe.train.records)
+        # metrics.csv writes 9 significant digits (trmoe.run.records)
         assert row[COLUMNS[0]] == f"{figures['acc,none']:.9g}"
         assert row[COLUMNS[1]] == f"{figures['acc_norm,none']:.9g}"
     # the tiny model learns the sentences the questions are about (6 examples: chance is ~1/3)
@@ -195,7 +195,7 @@ def test_columns_leave_every_global_generator_and_train_mode_as_they_were(with_t
 
     from trmoe.config.resolve import to_config
     from trmoe.load import load_model
-    from trmoe.train.downstream import Downstream
+    from trmoe.train.observe.downstream import Downstream
 
     component = Downstream(to_config(compose_config(*run_args(corpus, *DOWNSTREAM))))
     model = load_model(with_tasks).model.train()

@@ -16,7 +16,7 @@ from helpers import (
 )
 
 from trmoe.errors import RunFailed
-from trmoe.train.checkpoint import load_checkpoint, read_pointer
+from trmoe.run.checkpoint import load_checkpoint, read_pointer
 
 # ----------------------------------------------------------------------------------------- guards
 
@@ -168,7 +168,7 @@ def test_out_of_disk_during_a_save_keeps_the_previous_checkpoint(monkeypatch, tm
     failing final checkpoint fails the run (RunFailed: exit 3) with the previous one still valid."""
     import errno
 
-    import trmoe.train.checkpoint as ckpt
+    import trmoe.run.checkpoint as ckpt
 
     write, save = ckpt._ChecksumWriter.write, ckpt.CheckpointStore.save
     state = {"saving": None, "fail_at": 3}

@@ -19,7 +19,7 @@ import pytest
 PROBE = """
 import resource, sys, torch
 from trmoe.config.schema import HardwareConfig
-from trmoe.train import env
+from trmoe.runtime import env
 env.configure(HardwareConfig(reuse_host_memory=sys.argv[1] == "on"), torch.device("cpu"))
 def faults_of_one_step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,4 +1,4 @@
-"""What a launch does with its run directory (trmoe.train.launch): never overwritten without run.overwrite,
+"""What a launch does with its run directory (trmoe.run.launch): never overwritten without run.overwrite,
 another run's checkpoint continued in a new directory, damaged checkpoints and records reported or refused
 before any write."""
 
@@ -20,7 +20,7 @@ from helpers import (
 )
 
 from trmoe.errors import UserError
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
 
 # ------------------------------------------------------------------------------ the run directory
 
@@ -127,7 +127,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_left_alone(small_run, tmp_pa
 def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished(small_run, tmp_path):
     import shutil
 
-    from trmoe.train import status
+    from trmoe.run import status
 
     run_dir = tmp_path / "r"
     shutil.copytree(small_run, run_dir)
@@ -162,7 +162,7 @@ def _copy_run(small_run: Path, tmp_path: Path) -> Path:
 def _edit_meta(checkpoint: Path, edit) -> None:
     """meta.json after `edit` (which changes it in place), sealed again as a save seals it (a forgery of
     another trmoe's checkpoint, not a corruption)."""
-    from trmoe.train.checkpoint import seal_meta
+    from trmoe.run.checkpoint import seal_meta
 
     meta = json.loads((checkpoint / "meta.json").read_text())
     edit(meta)
@@ -172,7 +172,7 @@ def _edit_meta(checkpoint: Path, edit) -> None:
 def _rename_a_tensor(checkpoint: Path) -> None:
     """The payload of another trmoe version: one model tensor under another name (meta.json's size and CRC32
     updated, so the checkpoint verifies)."""
-    from trmoe.train.checkpoint import file_crc32
+    from trmoe.run.checkpoint import file_crc32
 
     payload = checkpoint / "model_optim.pt"
     state = torch.load(payload, weights_only=True)

@@ -12,29 +12,29 @@ TRAIN = Path(__file__).resolve().parents[1] / "trmoe" / "train"
 
 # What decides and records a run (and the report that reads it) ...
 RUN_LIFECYCLE = (
-    "trmoe.train.rundir",
-    "trmoe.train.identity",
-    "trmoe.train.launch",
-    "trmoe.train.checkpoint",
-    "trmoe.train.records",
-    "trmoe.train.status",
-    "trmoe.train.runlock",
-    "trmoe.train.storage",
-    "trmoe.train.signals",
+    "trmoe.run.rundir",
+    "trmoe.run.identity",
+    "trmoe.run.launch",
+    "trmoe.run.checkpoint",
+    "trmoe.run.records",
+    "trmoe.run.status",
+    "trmoe.run.lock",
+    "trmoe.run.storage",
+    "trmoe.run.signals",
     "trmoe.report.runs",
     "trmoe.report.build",
 )
 # ... and what trains it.
 TRAINING_INTERNALS = (
     "trmoe.train.controls",
-    "trmoe.train.optim",
+    "trmoe.optim.build",
     "trmoe.train.schedule",
     "trmoe.train.trainer",
-    "trmoe.train.evaluation",
-    "trmoe.train.downstream",
-    "trmoe.train.output",
+    "trmoe.train.observe.evaluation",
+    "trmoe.train.observe.downstream",
+    "trmoe.train.observe.output",
     "trmoe.train.guards",
-    "trmoe.train.metrics",
+    "trmoe.train.observe.metrics",
     "trmoe.train.loss",
     "trmoe.model.transformer",
 )

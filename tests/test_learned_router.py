@@ -18,7 +18,7 @@ from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu
 from trmoe.model.spec import ffn_spec
 from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
 from trmoe.train.loop import train
 
 H, E, K = 8, 4, 2

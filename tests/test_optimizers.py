@@ -14,13 +14,13 @@ from helpers import compose_config, spawn_ranks
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import distributed
+from trmoe.optim.build import GroupLRs, OptimizerSet, build_optimizer
+from trmoe.optim.muon import Muon, muon_direction, orthogonalize
+from trmoe.optim.stosignsgd import StoSignSGD
+from trmoe.runtime import distributed
 from trmoe.train.loss import chunked_tied_ce
-from trmoe.train.muon import Muon, muon_direction, orthogonalize
-from trmoe.train.optim import GroupLRs, OptimizerSet, build_optimizer
+from trmoe.train.observe.telemetry import MoETelemetry
 from trmoe.train.schedule import apply_lr
-from trmoe.train.stosignsgd import StoSignSGD
-from trmoe.train.telemetry import MoETelemetry
 
 CPU = torch.device("cpu")
 OPTIMIZERS = ("adamw", "muon_tr", "stosignsgd")
@@ -131,7 +131,7 @@ def test_muon_has_no_warmup_of_its_own():
     assert 0.6 < rms / (lr * 0.2) < 1.3
 
 
-# A reference Muon written from docs/optimizers.md (not from trmoe/train/muon.py), in float64:
+# A reference Muon written from docs/optimizers.md (not from trmoe/optim/muon.py), in float64:
 #   B <- beta B + (1 - beta) G;   U = (1 - beta) G + beta B (nesterov) or U = B
 #   every matrix slice U_s: X = U_s / ||U_s||_F (transposed first if it has more rows than columns), then
 #   ns_steps times  A = X X^T;  X <- a X + (b A + c A^2) X,  (a, b, c) = (3.4445, -4.7750, 2.0315)

@@ -41,7 +41,7 @@ def test_provenance_names_trmoes_checkout_only(tmp_path, monkeypatch):
     import subprocess
 
     import trmoe
-    from trmoe.train import env
+    from trmoe.runtime import env
 
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     record = env.git_commit()

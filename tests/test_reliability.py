@@ -23,8 +23,8 @@ from test_data_pipeline import FAST, text_documents
 from test_resume import _descendants
 
 from trmoe.errors import RunFailed, UserError
+from trmoe.run.lock import LOCK_FILE, RunLock, read_holder
 from trmoe.train.loop import train
-from trmoe.train.runlock import LOCK_FILE, RunLock, read_holder
 
 TINY = [
     "data=random",
@@ -117,7 +117,7 @@ def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_hol
         [
             sys.executable,
             "-c",
-            "import sys, time; from trmoe.train.runlock import RunLock; "
+            "import sys, time; from trmoe.run.lock import RunLock; "
             "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)",
             str(run_dir),
         ],

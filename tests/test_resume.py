@@ -28,7 +28,7 @@ from helpers import (
     train_in_process,
 )
 
-from trmoe.train.checkpoint import load_checkpoint, read_pointer
+from trmoe.run.checkpoint import load_checkpoint, read_pointer
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 

@@ -19,8 +19,8 @@ from helpers import (
 )
 
 from trmoe.errors import UserError
-from trmoe.train.checkpoint import load_checkpoint
-from trmoe.train.identity import compare, critical_hash, is_volatile, training_view
+from trmoe.run.checkpoint import load_checkpoint
+from trmoe.run.identity import compare, critical_hash, is_volatile, training_view
 
 # ------------------------------------------------------------------------- resume config comparison
 
@@ -195,7 +195,7 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
 def test_a_key_the_attention_kind_ignores_is_no_difference():
     """mha uses one key/value head per query head and mqa one, whatever model.num_kv_heads says: two
     attempts that differ only there build the same model (under gqa it is a real difference)."""
-    from trmoe.train.identity import config_container
+    from trmoe.run.identity import config_container
 
     def view(*overrides: str) -> dict:
         return training_view(config_container(compose_config(*overrides)), None, None)

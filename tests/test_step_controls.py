@@ -16,7 +16,7 @@ from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import UserError
 from trmoe.model.moe import SharedExpert
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
 

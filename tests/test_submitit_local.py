@@ -23,8 +23,8 @@ import pytest
 import torch
 from helpers import TIMING_COLUMNS, TINY_RUN, finish, metrics_rows, wait_until
 
-from trmoe.train import distributed
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
+from trmoe.runtime import distributed
 
 STEPS = 150
 TINY = [

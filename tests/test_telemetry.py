@@ -15,8 +15,8 @@ from trmoe.config.schema import Progress
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce
-from trmoe.train.progress import ProgressReporter
-from trmoe.train.telemetry import MoETelemetry
+from trmoe.train.observe.progress import ProgressReporter
+from trmoe.train.observe.telemetry import MoETelemetry
 
 FAST = [
     *FAST_CPU,
@@ -69,7 +69,7 @@ def test_off_costs_nothing_and_writes_nothing(tmp_path, monkeypatch):
 def test_watching_does_not_change_training(tmp_path, routing):
     """Telemetry on or off: the same weights, bit for bit (it measures the routed branch without taking
     the routed rows' sum out of the shared output, where the FFN adds them)."""
-    from trmoe.train.checkpoint import load_checkpoint
+    from trmoe.run.checkpoint import load_checkpoint
 
     for on in ("false", "true"):
         train(

@@ -13,7 +13,7 @@ from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import status
+from trmoe.run import status
 from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
 

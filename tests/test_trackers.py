@@ -19,7 +19,7 @@ from helpers import TIMING_COLUMNS, TINY_RUN, compose_config, run_cli
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
-from trmoe.train import trackers
+from trmoe.train.observe import trackers
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 RUN = [

@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import compose_config, metrics_rows, run_cli
 
-from trmoe.train.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint
+from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
-from trmoe.train.records import METRIC_COLUMNS
 
 FAST = [
     "trainer.micro_batch=4",
@@ -215,7 +215,7 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trmoe.train import env
+    from trmoe.runtime import env
 
     monkeypatch.setattr(env, "sum_dtype", lambda device: torch.float32)
     made = set()
@@ -271,7 +271,7 @@ def test_hardware_settings_are_set_both_ways_for_the_next_job_of_a_process():
     """Sweep jobs share one process: hardware.threads=null and deterministic=false must undo what the job
     before them set."""
     from trmoe.config.schema import HardwareConfig
-    from trmoe.train import env
+    from trmoe.runtime import env
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:

@@ -3,7 +3,7 @@ reference's `cf-o200k-pretrain`, layout in docs/coming-from-the-old-runner.md) a
 
 What it writes into --out (which must not exist yet):
   - checkpoints/step_<s>/: a trmoe checkpoint of the converted weights (an empty optimizer: the old runner's
-    AdamW moments are not carried), read by `trmoe.train.checkpoint.load_checkpoint` like any other. It holds
+    AdamW moments are not carried), read by `trmoe.run.checkpoint.load_checkpoint` like any other. It holds
     no train state (the old file has no RNG state or data cursor), so `trainer.resume=` does not continue it
     yet: fine-tuning from it needs a way to start a run from weights alone;
   - run_config.json: the trmoe config composed from the checkpoint's recorded settings, its model spec and
@@ -239,8 +239,8 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
 
     from trmoe.config.resolve import compose_packaged, model_spec, to_config
     from trmoe.model.transformer import TRMoETransformer, count_parameters
-    from trmoe.train.checkpoint import CheckpointStore
-    from trmoe.train.records import write_atomic
+    from trmoe.run.checkpoint import CheckpointStore
+    from trmoe.run.records import write_atomic
 
     source, out = Path(checkpoint), Path(out)
     if out.exists():

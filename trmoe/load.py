@@ -72,8 +72,8 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def find_checkpoint(path: str | Path, step: int | None = None):
     """The verified checkpoint (CheckpointInfo) of `path` at `step` (None: the newest complete one)."""
-    from trmoe.train.checkpoint import META, CheckpointError, CheckpointStore
-    from trmoe.train.rundir import RunDir
+    from trmoe.run.checkpoint import META, CheckpointError, CheckpointStore
+    from trmoe.run.rundir import RunDir
 
     path = Path(path)
     if not path.exists():
@@ -129,7 +129,7 @@ def load_model(
     path: str | Path, step: int | None = None, *, device: str = "auto", dtype: str = "auto"
 ) -> LoadedModel:
     """The model of a run (or checkpoint) at `step` (None: the newest complete checkpoint), in eval mode."""
-    from trmoe.train.checkpoint import TORCH_PAYLOAD, _single_process_quiet
+    from trmoe.run.checkpoint import TORCH_PAYLOAD, _single_process_quiet
 
     info = find_checkpoint(path, step)
     config = info.meta.get("config")

@@ -57,7 +57,7 @@ def add_device(parser: argparse.ArgumentParser) -> None:
 
 def machine() -> dict:
     """What the figures were measured on."""
-    from trmoe.train.env import cpu_name
+    from trmoe.runtime.env import cpu_name
 
     info = {
         "cpu": cpu_name(),

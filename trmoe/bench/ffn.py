@@ -18,7 +18,7 @@ from trmoe.bench.common import LayerBench, layer_args, paired_ratio, record, tim
 from trmoe.config.schema import HardwareConfig
 from trmoe.model.moe import SharedExpert, TRMoEFFN
 from trmoe.model.spec import ffn_spec
-from trmoe.train import env
+from trmoe.runtime import env
 
 LAYOUTS = {  # name: (hidden, shared width, routed width)
     "100m": (384, 1536, 128),

@@ -18,7 +18,7 @@ from trmoe.bench.common import Parser, add_device, matmul_peak_flops, positive_i
 from trmoe.config.schema import HardwareConfig
 from trmoe.errors import UserError
 from trmoe.model.flops import datasheet_peak, flops_per_token  # the formula the planner uses too
-from trmoe.train import env
+from trmoe.runtime import env
 
 PROFILES = resources.files("trmoe.conf") / "model"  # the model profiles --model takes
 MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.name.endswith(".yaml"))
@@ -43,8 +43,8 @@ class Arm:
     def __init__(self, overrides: list[str], device: torch.device, compile_model: bool):
         from trmoe.data.pipeline import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
+        from trmoe.optim.build import build_optimizer
         from trmoe.train.controls import TrainingControls
-        from trmoe.train.optim import build_optimizer
 
         cfg, self.spec = compose_arm(overrides, compile_model)
         self.overrides, self.device, self.compile, self.t, self.env = (

@@ -240,7 +240,7 @@ def validate(cfg: Config) -> None:
 
 def _validate_downstream(cfg: Config) -> None:
     """downstream.*: the option values; whether lm-eval and the tasks are there is checked by
-    trmoe.train.downstream, also before anything is written."""
+    trmoe.train.observe.downstream, also before anything is written."""
     ds = cfg.downstream
     if not ds.tasks:
         return

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from trmoe.errors import UserError
-from trmoe.train.rundir import RunDir
+from trmoe.run.rundir import RunDir
 
 
 def compose(overrides: list[str]):

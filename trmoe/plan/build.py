@@ -106,7 +106,7 @@ def decide_world(cfg: DictConfig, world_option: int | None) -> World:
 
 def plan_precision(cfg: Config) -> tuple[str, str]:
     """(compute dtype: bf16 | fp16 | fp32, note) for the run's device, by the rules of
-    trmoe.train.env.autocast_dtype (master weights stay fp32); hardware.device=auto is planned as a GPU."""
+    trmoe.runtime.env.autocast_dtype (master weights stay fp32); hardware.device=auto is planned as a GPU."""
     hw = cfg.hardware
     gpu = hw.device in (Device.cuda, Device.rocm, Device.auto)
     note = "hardware.device=auto planned as a GPU; " if hw.device == Device.auto else ""
@@ -150,8 +150,8 @@ def make_plan(
     from trmoe.model.flops import flops_breakdown
     from trmoe.model.transformer import TRMoETransformer, count_parameters
     from trmoe.plan.memory import estimate_memory
-    from trmoe.train.distributed import DistEnv
-    from trmoe.train.parallel import resolve_strategy
+    from trmoe.runtime.distributed import DistEnv
+    from trmoe.runtime.parallel import resolve_strategy
 
     if tokens is not None and explicit_steps(overrides):
         raise UserError("--tokens: trainer.steps is set too; allowed: one of --tokens or trainer.steps")

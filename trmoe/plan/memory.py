@@ -6,7 +6,7 @@ them exist; backward temporaries are not counted). Measured peaks of real steps 
 the total (docs/distributed.md, bench/plan_memory.py). Not counted: the CUDA context, NCCL buffers and
 allocator fragmentation (typically 1-3 GiB per process), Muon's Newton-Schulz temporaries, and evaluation.
 
-Model state (P = trainable parameters; master weights are always fp32, trmoe.train.env):
+Model state (P = trainable parameters; master weights are always fp32, trmoe.runtime.env):
 
     none/ddp   parameters 4P + gradients 4P + optimizer state; ddp adds its gradient buckets 4P
                (gradient_as_bucket_view=False keeps a flat copy); under bf16/fp16 autocast every GEMM
@@ -19,7 +19,7 @@ Model state (P = trainable parameters; master weights are always fp32, trmoe.tra
                backward the root's gradient and one block's gradient (plus its fp32 copy for the
                reduce-scatter).
 
-Optimizer state (trmoe.train.optim): adamw 8 B per parameter (exp_avg, exp_avg_sq, fp32); stosignsgd 8 B
+Optimizer state (trmoe.optim.build): adamw 8 B per parameter (exp_avg, exp_avg_sq, fp32); stosignsgd 8 B
 (exp_avg, max_scale); muon_tr 4 B per Muon matrix parameter (momentum buffer) and 8 B on the AdamW rest.
 
 Activations: per micro-batch (micro_batch x seq_len tokens; grad_accum does not add any), the tensors the
@@ -40,7 +40,7 @@ from torch import nn
 from trmoe.config.schema import Config, OptimizerName
 from trmoe.model.routing import groups_by_tuple
 from trmoe.model.transformer import ModelSpec, ParamCounts
-from trmoe.train.optim import split_param_groups
+from trmoe.optim.build import split_param_groups
 
 FP32 = 4
 
@@ -144,7 +144,7 @@ def estimate_memory(
     compute_dtype: str,
 ) -> MemoryEstimate:
     """Bytes per GPU of one training step. `model` may live on the meta device; strategy is the resolved
-    one (trmoe.train.parallel.resolve_strategy: none, ddp or fsdp); compute_dtype bf16, fp16 or fp32."""
+    one (trmoe.runtime.parallel.resolve_strategy: none, ddp or fsdp); compute_dtype bf16, fp16 or fp32."""
     p, emb = counts.total, counts.embedding
     compute_bytes = FP32 if compute_dtype == "fp32" else 2
     amp = compute_bytes < FP32

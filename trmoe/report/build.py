@@ -18,7 +18,7 @@ from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_c
 from trmoe.report.runs import Run, common_root, load_runs
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
-from trmoe.train.records import write_atomic
+from trmoe.run.records import write_atomic
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.

@@ -21,7 +21,7 @@ from typing import Any
 from trmoe.report.compare import Arm, swept_keys
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary
-from trmoe.train.status import FAILED, FINISHED
+from trmoe.run.status import FAILED, FINISHED
 
 ITEMS = {
     "tokenizer": "Tokenizer and vocabulary",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
 from trmoe.report.summary import Summary
-from trmoe.train.status import FINISHED
+from trmoe.run.status import FINISHED
 
 # Two-sided 95% Student-t quantiles for 1..30 degrees of freedom.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,

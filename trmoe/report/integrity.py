@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from trmoe.report.runs import Run
-from trmoe.train.status import FINISHED
+from trmoe.run.status import FINISHED
 
 # status.json's final_eval_loss and metrics.csv's last eval_loss are the same float, written once with
 # repr and once with 9 significant digits

@@ -11,7 +11,7 @@ from pathlib import Path
 from trmoe.report.compare import Arm, Pair
 from trmoe.report.runs import Run
 from trmoe.report.summary import throughput_rows
-from trmoe.train.rundir import RunDir
+from trmoe.run.rundir import RunDir
 
 
 def available() -> bool:

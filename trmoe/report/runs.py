@@ -18,10 +18,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trmoe.train.rundir import MARKERS as RUN_MARKERS
-from trmoe.train.rundir import RUN_CONFIG as RECORD_FILE
-from trmoe.train.rundir import RunDir
-from trmoe.train.status import FINISHED, RUNNING, STATUS_FILE, read_status
+from trmoe.run.rundir import MARKERS as RUN_MARKERS
+from trmoe.run.rundir import RUN_CONFIG as RECORD_FILE
+from trmoe.run.rundir import RunDir
+from trmoe.run.status import FINISHED, RUNNING, STATUS_FILE, read_status
 
 # Keys of run_config.json that hold an object (or null); anything else there is an unreadable part of it.
 RECORD_OBJECTS = tuple("config model_spec params git backend data controls param_match derived".split())

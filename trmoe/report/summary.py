@@ -37,7 +37,7 @@ class Summary:
 
 
 def is_accuracy(column: str) -> bool:
-    """A downstream accuracy column of metrics.csv (trmoe.train.downstream): acc/<task>, acc_norm/<task>."""
+    """A downstream accuracy column of metrics.csv (observe/downstream.py): acc/<task>, acc_norm/<task>."""
     return column.startswith(("acc/", "acc_norm/"))
 
 

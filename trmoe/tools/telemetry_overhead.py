@@ -21,10 +21,10 @@ from trmoe.bench.common import Parser, positive_int, run_cli
 from trmoe.bench.step import compose_arm
 from trmoe.data.pipeline import build_data
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import env
+from trmoe.optim.build import build_optimizer
+from trmoe.runtime import env
 from trmoe.train.loss import chunked_tied_ce
-from trmoe.train.optim import build_optimizer
-from trmoe.train.telemetry import MoETelemetry
+from trmoe.train.observe.telemetry import MoETelemetry
 
 
 def _step(model, optimizer, tel, inputs, targets, log: bool) -> None:

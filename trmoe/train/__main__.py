@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra composes)
 from trmoe.config.resolve import compose_error
 from trmoe.errors import RunFailed, UserError
-from trmoe.train import status
-from trmoe.train.signals import Preempted, hand_over
+from trmoe.run import status
+from trmoe.run.signals import Preempted, hand_over
 
 _task_started = False
 _failed_jobs: list[str] = []  # sweep jobs of this process that failed (multirun)
@@ -83,7 +83,7 @@ def _app(cfg: DictConfig) -> float:
     finally:
         # the process group of a torchrun/submitit job ends with the job (a basic-launcher sweep reuses
         # this process for the next one)
-        from trmoe.train import distributed
+        from trmoe.runtime import distributed
 
         distributed.shutdown()
 

@@ -21,14 +21,14 @@ from torch import nn
 
 from trmoe.config.schema import Config, LossBackend
 from trmoe.errors import UserError
+from trmoe.optim.build import GroupLRs, describe_groups
+from trmoe.run.rundir import TELEMETRY
+from trmoe.runtime.env import autocast_dtype
 from trmoe.train.diversity import expert_diversity
-from trmoe.train.env import autocast_dtype
 from trmoe.train.loss import LossSums
 from trmoe.train.loss_backend import resolve_backend, training_loss
-from trmoe.train.optim import GroupLRs, describe_groups
-from trmoe.train.rundir import TELEMETRY
+from trmoe.train.observe.telemetry import MoETelemetry, TelemetryWriter
 from trmoe.train.schedule import apply_lr, build_schedules
-from trmoe.train.telemetry import MoETelemetry, TelemetryWriter
 
 log = logging.getLogger("trmoe")
 

@@ -83,7 +83,7 @@ class StepGuard:
         if not self.active:
             return Verdict(APPLY)
         if world_size > 1:
-            from trmoe.train.distributed import all_reduce_sum
+            from trmoe.runtime.distributed import all_reduce_sum
 
             ce, objective = all_reduce_sum(ce, objective)
             tokens *= world_size

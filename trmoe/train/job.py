@@ -8,7 +8,7 @@
 Nothing is written before every check has passed: a bad config, a run directory that must not be
 overwritten or continued, or data that differs from the checkpoint's raise UserError with the directory
 untouched. A run directory that cannot be written (a full disk, a read-only mount) ends with one line and
-exit 3 (trmoe.train.storage); a second live launch into the same directory is refused (trmoe.train.runlock).
+exit 3 (trmoe.run.storage); a second live launch into the same directory is refused (trmoe.run.lock).
 """
 
 from __future__ import annotations
@@ -22,25 +22,16 @@ from omegaconf import DictConfig
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.data.pipeline import build_data
-from trmoe.train import (
-    distributed,
-    env,
-    launch,
-    parallel,
-    preflight,
-    records,
-    runlock,
-    signals,
-    sizing,
-    status,
-    storage,
-    trackers,
-)
-from trmoe.train.checkpoint import CheckpointStore, read_pointer
+from trmoe.run import launch, records, signals, status, storage
+from trmoe.run import lock as runlock
+from trmoe.run.checkpoint import CheckpointStore, read_pointer
+from trmoe.run.identity import config_container, derived_values, training_view
+from trmoe.run.rundir import RunDir
+from trmoe.runtime import distributed, env, parallel
+from trmoe.train import preflight, sizing
 from trmoe.train.controls import check_controls
-from trmoe.train.downstream import Downstream
-from trmoe.train.identity import config_container, derived_values, training_view
-from trmoe.train.rundir import RunDir
+from trmoe.train.observe import trackers
+from trmoe.train.observe.downstream import Downstream
 from trmoe.train.trainer import Trainer
 
 log = logging.getLogger("trmoe")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from trmoe.run.signals import StopSignals
 from trmoe.train import guards, job
-from trmoe.train.signals import StopSignals
 from trmoe.train.trainer import Trainer
 
 

@@ -16,11 +16,11 @@ from trmoe.config.resolve import model_spec
 from trmoe.config.schema import Config
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train.checkpoint import CheckpointError, CheckpointInfo, model_shapes
+from trmoe.optim.build import group_layout
+from trmoe.run.checkpoint import CheckpointError, CheckpointInfo, model_shapes
+from trmoe.run.identity import ABSENT
+from trmoe.run.launch import Launch
 from trmoe.train.controls import freeze_scheduled_gates
-from trmoe.train.identity import ABSENT
-from trmoe.train.launch import Launch
-from trmoe.train.optim import group_layout
 from trmoe.train.schedule import build_schedules, check_extension
 
 log = logging.getLogger("trmoe")

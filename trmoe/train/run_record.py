@@ -2,7 +2,7 @@
 
 run_config.json records everything needed to reproduce the run and to read its results: the config, the model
 spec and parameter counts, the code (git) and the machine (backend), the data's identity, what the training
-controls resolved to, and the history of the run's attempts (trmoe.train.launch).
+controls resolved to, and the history of the run's attempts (trmoe.run.launch).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.param_match import solve_match
 from trmoe.model.transformer import ParamCounts
-from trmoe.train import env, records
+from trmoe.run import records
+from trmoe.runtime import env
 
 if TYPE_CHECKING:
     from trmoe.train.trainer import Trainer

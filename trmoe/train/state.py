@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trmoe.train.env import mps_available
+from trmoe.runtime.env import mps_available
 
 log = logging.getLogger("trmoe")
 

@@ -40,19 +40,22 @@ from trmoe.errors import RunFailed
 from trmoe.model.flops import flops_per_token
 from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import TRMoETransformer, count_parameters
-from trmoe.train import env, guards, meters, parallel, records, signals
-from trmoe.train.checkpoint import CheckpointError, CheckpointStore
+from trmoe.optim.build import build_optimizer
+from trmoe.run import records, signals
+from trmoe.run.checkpoint import CheckpointError, CheckpointStore
+from trmoe.run.launch import Launch
+from trmoe.run.rundir import RunDir
+from trmoe.runtime import env, parallel
+from trmoe.runtime.distributed import DistEnv, no_sync
+from trmoe.train import guards
 from trmoe.train.controls import TrainingControls, is_log_step
-from trmoe.train.distributed import DistEnv, no_sync
-from trmoe.train.downstream import Downstream
-from trmoe.train.evaluation import Evaluator, HeldOutLoss, ppl
-from trmoe.train.launch import Launch
-from trmoe.train.metrics import MetricsWindow
-from trmoe.train.optim import build_optimizer
-from trmoe.train.output import RunOutput
-from trmoe.train.profiling import StepProfiler
+from trmoe.train.observe import meters
+from trmoe.train.observe.downstream import Downstream
+from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss, ppl
+from trmoe.train.observe.metrics import MetricsWindow
+from trmoe.train.observe.output import RunOutput
+from trmoe.train.observe.profiling import StepProfiler
 from trmoe.train.run_record import announce
-from trmoe.train.rundir import RunDir
 from trmoe.train.state import RNG, TrainState
 
 log = logging.getLogger("trmoe")

@@ -48,7 +48,7 @@ import torch
 
 from trmoe.config.schema import CheckpointConfig
 from trmoe.errors import UserError
-from trmoe.train.rundir import CHECKPOINTS, RunDir
+from trmoe.run.rundir import CHECKPOINTS, RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -229,7 +229,7 @@ def _agree(failure: BaseException | None) -> None:
     """Every rank raises when any rank's part of a save failed (ENOSPC on one disk, say), so that all of
     them go on the same way, none left waiting in a collective; a no-op when none failed. Collective."""
     if _dist_active():
-        from trmoe.train.distributed import collective_device
+        from trmoe.runtime.distributed import collective_device
 
         flag = torch.tensor([0 if failure is None else 1], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

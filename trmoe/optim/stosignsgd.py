@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from trmoe.train.parallel import is_dtensor, shard_region
+from trmoe.runtime.parallel import is_dtensor, shard_region
 
 
 def _noise_seed(seed: int, step: int, index: int) -> int:

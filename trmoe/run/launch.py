@@ -8,7 +8,7 @@
     restart   the directory holds this same run but no complete checkpoint yet: start it again from step 0
     complete  the newest checkpoint is the last step: nothing to do
 
-A resumed run must be the same experiment (trmoe.train.identity): a training-critical difference stops the
+A resumed run must be the same experiment (trmoe.run.identity): a training-critical difference stops the
 launch with a diff (exit 2); trainer.force_resume=true continues and records the difference in
 run_config.json. Then, once every check has passed, `Launch.prepare` makes the launch's writes at once.
 
@@ -31,8 +31,8 @@ from omegaconf import DictConfig
 
 from trmoe.config.schema import Config
 from trmoe.errors import UserError
-from trmoe.train import records
-from trmoe.train.checkpoint import (
+from trmoe.run import records
+from trmoe.run.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
@@ -40,8 +40,8 @@ from trmoe.train.checkpoint import (
     read_pointer,
     resolve_checkpoint,
 )
-from trmoe.train.identity import ConfigDiff, compare, config_container, critical_hash, flatten, training_view
-from trmoe.train.rundir import RunDir
+from trmoe.run.identity import ConfigDiff, compare, config_container, critical_hash, flatten, training_view
+from trmoe.run.rundir import RunDir
 
 log = logging.getLogger("trmoe")
 

@@ -98,7 +98,7 @@ class StopSignals:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self.requested
         if self._flag is None:
-            from trmoe.train.distributed import collective_device
+            from trmoe.runtime.distributed import collective_device
 
             self._flag = torch.zeros((), dtype=torch.int64, device=collective_device())
         self._flag.fill_(self.requested or 0)

@@ -4,7 +4,7 @@ An evaluator has `names` (the metrics.csv columns it adds beyond records.METRIC_
 own cadence) and `columns(step) -> dict[str, float]`. `Trainer.evaluate(step)` merges the columns of every
 evaluator due at that step, in the order of `Trainer.evaluators`, into the metrics row; a step at which any
 evaluator is due writes a row. `HeldOutLoss` is the one every run has (with a data mixture, each source's
-loss too); `trmoe.train.downstream.Downstream` (lm-eval tasks) is the other.
+loss too); `trmoe.train.observe.downstream.Downstream` (lm-eval tasks) is the other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trmoe.config.schema import Config
 from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import Batch, DataPipeline
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.train import env
+from trmoe.runtime import env
 from trmoe.train.loss import chunked_tied_ce
 
 

@@ -5,7 +5,7 @@ dotted keys and compared; a key is *volatile* (may change) only if it matches a 
 every other key, including keys added to the schema later, is *training-critical*. Derived values join the
 comparison: the global batch in tokens and the effective precision are critical (micro_batch, grad_accum,
 world size and hardware may change as long as they are kept), and so is the data identity (`data_info.*`,
-from the data pipeline's record). The launch decision (trmoe.train.launch) acts on the differences.
+from the data pipeline's record). The launch decision (trmoe.run.launch) acts on the differences.
 """
 
 from __future__ import annotations

@@ -83,11 +83,11 @@ class Downstream:
 
     def columns(self, step: int) -> dict[str, float]:
         """acc/<task> and acc_norm/<task> at `step` (nothing when it is not due): an evaluator
-        (trmoe.train.evaluation)."""
+        (trmoe.train.observe.evaluation)."""
         if not self.due(step):
             return {}
         from trmoe.eval import run_tasks
-        from trmoe.train import env
+        from trmoe.runtime import env
 
         model, start = self._model, time.perf_counter()
         was_training = model.training

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trmoe.train.records import write_atomic
-from trmoe.train.rundir import STATUS as STATUS_FILE
+from trmoe.run.records import write_atomic
+from trmoe.run.rundir import STATUS as STATUS_FILE
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trmoe.train import records
-from trmoe.train.rundir import RunDir
+from trmoe.run import records
+from trmoe.run.rundir import RunDir
 
 log = logging.getLogger("trmoe")
 

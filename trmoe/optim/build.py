@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from trmoe.config.schema import MuonScope, OptimizerConfig, OptimizerName
-from trmoe.train.muon import Muon
-from trmoe.train.stosignsgd import StoSignSGD
+from trmoe.optim.muon import Muon
+from trmoe.optim.stosignsgd import StoSignSGD
 
 
 def param_group_name(name: str) -> str:

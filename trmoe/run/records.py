@@ -2,8 +2,8 @@
 
 Nothing is written before the config is valid; files are written whole (temporary name, then rename).
 An existing run's records are never overwritten: a resume continues metrics.csv from its checkpoint's step
-(`continue_metrics`), and trmoe.train.launch decides, before any write, what a launch may do. The file
-names are trmoe.train.rundir's.
+(`continue_metrics`), and trmoe.run.launch decides, before any write, what a launch may do. The file
+names are trmoe.run.rundir's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.errors import UserError
-from trmoe.train.rundir import RunDir
+from trmoe.run.rundir import RunDir
 
 SCHEMA_VERSION = 1
 
@@ -42,7 +42,7 @@ METRIC_COLUMNS = (
     "grad_norm",  # global gradient norm before clipping
     "tok_s",  # training tokens per second over the logging window, evaluation time excluded
     "elapsed_s",
-    "mfu",  # model FLOPs utilisation of one device over the window (trmoe.train.meters: its peak, FLOPs)
+    "mfu",  # model FLOPs utilisation of one device over the window (observe/meters.py: peak, FLOPs)
     "peak_mem_gib",  # peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU
     "shared_gate",
     "routed_gate",
@@ -108,7 +108,7 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 def attach_log_file(path: Path, early: EarlyLog | None = None) -> logging.Handler:
     """Log into `path` from now on, after what `early` kept (which stops keeping)."""
-    from trmoe.train.storage import LogFile
+    from trmoe.run.storage import LogFile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = LogFile(path)

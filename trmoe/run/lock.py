@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from trmoe.errors import RunFailed, UserError
-from trmoe.train.rundir import LOCK as LOCK_FILE
+from trmoe.run.rundir import LOCK as LOCK_FILE
 
 log = logging.getLogger("trmoe")
 

@@ -2,7 +2,7 @@
 
 Such a failure ends the run with one line and exit code 3 (`RunFailed`), never a traceback: the line names
 the file and the newest complete checkpoint, `status.json` says failed (rewritten in place when there is no
-room for a new file: `trmoe.train.status.write_status`), and no temporary file is left behind. A failed
+room for a new file: `trmoe.run.status.write_status`), and no temporary file is left behind. A failed
 periodic checkpoint is not such a failure: the run goes on (docs/reliability.md).
 """
 

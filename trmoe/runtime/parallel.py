@@ -24,7 +24,7 @@ else:  # a torch build without torch.distributed: no DTensor can occur
     DTensor = Shard = None
 
 from trmoe.config.schema import Strategy
-from trmoe.train.distributed import DistEnv
+from trmoe.runtime.distributed import DistEnv
 
 
 def resolve_strategy(strategy: Strategy, dist_env: DistEnv) -> str:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from trmoe.config.schema import Config, LoggerConfig, Progress
-from trmoe.train import records, trackers
-from trmoe.train.launch import Launch
-from trmoe.train.metrics import NullMetrics
-from trmoe.train.progress import ProgressReporter
-from trmoe.train.rundir import RunDir
+from trmoe.run import records
+from trmoe.run.launch import Launch
+from trmoe.run.rundir import RunDir
+from trmoe.train.observe import trackers
+from trmoe.train.observe.metrics import NullMetrics
+from trmoe.train.observe.progress import ProgressReporter
 
 
 class RunOutput:

@@ -29,8 +29,8 @@ from typing import Any
 
 from trmoe.config.schema import LoggerConfig
 from trmoe.errors import UserError
-from trmoe.train.records import write_atomic
-from trmoe.train.rundir import TRACKERS as TRACKERS_FILE
+from trmoe.run.records import write_atomic
+from trmoe.run.rundir import TRACKERS as TRACKERS_FILE
 
 log = logging.getLogger("trmoe")
 
@@ -277,7 +277,7 @@ class Trackers:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from trmoe.train.signals import Preempted
+        from trmoe.run.signals import Preempted
 
         if exc_type is None:
             self.close("FINISHED")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from trmoe.config.schema import DebugConfig
-from trmoe.train.rundir import PROFILE
+from trmoe.run.rundir import PROFILE
 
 log = logging.getLogger("trmoe")
 

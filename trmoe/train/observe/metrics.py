@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trmoe.train import distributed, env
+from trmoe.runtime import distributed, env
 
 
 class MetricsWindow:

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trmoe.train import env
-from trmoe.train.parallel import is_dtensor, shard_region
-from trmoe.train.records import _fmt, trim_csv
+from trmoe.run.records import _fmt, trim_csv
+from trmoe.runtime import env
+from trmoe.runtime.parallel import is_dtensor, shard_region
 
 LAYER_COLUMNS = (
     "step",
@@ -265,7 +265,7 @@ class TelemetryWriter:
     def __init__(self, path: Path, num_experts: int):
         self.path = path
         self.columns = telemetry_columns(num_experts)
-        # a resumed run continues its file (trmoe.train.launch trimmed it to the checkpoint's step)
+        # a resumed run continues its file (trmoe.run.launch trimmed it to the checkpoint's step)
         append = path.is_file() and _first_line(path) == ",".join(self.columns)
         self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.writer(self._file)
