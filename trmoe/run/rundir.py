@@ -9,7 +9,7 @@
                               column migration on resume
       telemetry.csv           per-layer expert telemetry (telemetry.moe=true)
       checkpoints/            step_XXXXXXXX/ and `latest` (checkpoint.CheckpointStore)
-      .lock                   held by the live launch (runlock.py): who holds the run
+      .lock                   held by the live launch (lock.py): who holds the run
       trackers.json           the tracker runs this run continues on resume (trackers.py)
       tensorboard/, wandb/    the trackers' own files (logger=tensorboard, logger=wandb)
       profile/                torch.profiler traces (debug=profile)
