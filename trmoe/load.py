@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec, TRMoETransformer
 
 ALLOWED_PATHS = "a run directory, its checkpoints/ directory or one checkpoint step_XXXXXXXX"
-O200K_VOCAB = 200019  # o200k_base ids: what a text prompt is encoded to
 
 
 @dataclass
