@@ -115,8 +115,9 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     """The ModelSpec of a recorded (resolved) config container, validated as the train app validates it."""
     from omegaconf import OmegaConf
 
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import to_config
     from trmoe.config.schema import Config
+    from trmoe.config.spec import model_spec
 
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), config)

@@ -56,7 +56,8 @@ def _ffn_text(spec) -> str:
 
 def solve_arm(overrides: list[str]) -> dict:
     from trmoe.config.param_match import solve_match
-    from trmoe.config.resolve import compose_packaged, model_spec, to_config
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
     from trmoe.model.transformer import parameter_counts
 
     row: dict = {"overrides": overrides}

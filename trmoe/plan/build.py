@@ -145,7 +145,8 @@ def make_plan(
     throughput: Throughput = Throughput(),
 ) -> dict:
     """Every figure of the plan, JSON-ready. Raises UserError on bad input."""
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import to_config
+    from trmoe.config.spec import model_spec
     from trmoe.data.pipeline import global_batch_tokens
     from trmoe.model.flops import flops_breakdown
     from trmoe.model.transformer import TRMoETransformer, count_parameters

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.data.pipeline import build_data
 from trmoe.run import launch, records, signals, status, storage
 from trmoe.run import lock as runlock
