@@ -42,7 +42,7 @@ class Arm:
     configured loss backend (loss.backend), optionally torch.compile."""
 
     def __init__(self, overrides: list[str], device: torch.device, compile_model: bool):
-        from trmoe.data.pipeline import build_data
+        from trmoe.data.build import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
         from trmoe.optim.build import build_optimizer
         from trmoe.train.controls import TrainingControls
