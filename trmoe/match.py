@@ -58,13 +58,14 @@ def solve_arm(overrides: list[str]) -> dict:
     from trmoe.config.param_match import solve_match
     from trmoe.config.resolve import compose_packaged, to_config
     from trmoe.config.spec import model_spec
-    from trmoe.model.transformer import parameter_counts
 
     row: dict = {"overrides": overrides}
     try:
         cfg = to_config(compose_packaged([o for o in overrides if not o.startswith("hydra.")]))
     except UserError as e:  # composition errors worded as the train app words them
         return {**row, "error": str(e)}
+    from trmoe.model.transformer import parameter_counts  # torch: once the arm's config is valid
+
     spec = model_spec(cfg)
     counts = parameter_counts(spec)
     match = solve_match(cfg)
