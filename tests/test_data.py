@@ -20,7 +20,7 @@ from trmoe.data.corpus import (
     text_file_documents,
 )
 from trmoe.data.sampler import RandomTokens, WindowSampler, eval_batches
-from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.data.tokenizer import EOS_ID, O200K_VOCAB, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
 from trmoe.errors import UserError
 
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -44,7 +44,7 @@ def split_documents(tokens: np.ndarray) -> list[str]:
 def test_o200k_facts():
     enc = load_o200k()
     assert enc.name == TOKENIZER_NAME == "o200k_base"
-    assert enc.n_vocab == 200019
+    assert enc.n_vocab == 200019 == O200K_VOCAB
     assert enc.encode("Hello, world!") == [13225, 11, 2375, 0]
     assert enc.eot_token == EOS_ID == 199999
     assert enc.encode("<|endoftext|>", allowed_special="all") == [199999]

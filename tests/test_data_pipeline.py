@@ -18,7 +18,8 @@ from helpers import compose_config, run_cli
 from test_shards import edit_index, make_shard, synthetic_tokens
 
 from trmoe.config.resolve import to_config
-from trmoe.data.pipeline import build_data, micro_batch_samples
+from trmoe.data.build import build_data
+from trmoe.data.pipeline import micro_batch_samples
 from trmoe.data.prepare import prepare
 from trmoe.data.shards import BIN_NAME, INDEX_NAME
 from trmoe.data.tokenizer import EOS_ID, load_o200k

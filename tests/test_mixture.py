@@ -28,8 +28,9 @@ from helpers import compose_config, metrics_rows, run_cli
 from test_resume import DRIVER, assert_same_run
 
 from trmoe.config.resolve import to_config
+from trmoe.data.build import build_data
 from trmoe.data.mixture import MixtureSchedule, Weights
-from trmoe.data.pipeline import build_data, micro_batch_samples
+from trmoe.data.pipeline import micro_batch_samples
 from trmoe.errors import UserError
 from trmoe.report.build import build_report
 from trmoe.train.loop import train

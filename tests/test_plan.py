@@ -12,7 +12,7 @@ from helpers import compose_config, run_cli
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from trmoe.config.resolve import model_spec, to_config
-from trmoe.data.pipeline import global_batch_tokens
+from trmoe.data.build import global_batch_tokens
 from trmoe.model.flops import flops_breakdown
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.plan.__main__ import _bytes as _bytes_text

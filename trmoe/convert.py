@@ -237,7 +237,8 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
     import torch
     from omegaconf import OmegaConf
 
-    from trmoe.config.resolve import compose_packaged, model_spec, to_config
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
     from trmoe.model.transformer import TRMoETransformer, count_parameters
     from trmoe.run.checkpoint import CheckpointStore
     from trmoe.run.records import write_atomic

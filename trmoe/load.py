@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec, TRMoETransformer
 
 ALLOWED_PATHS = "a run directory, its checkpoints/ directory or one checkpoint step_XXXXXXXX"
-O200K_VOCAB = 200019  # o200k_base ids: what a text prompt is encoded to
 
 
 @dataclass
@@ -115,8 +115,9 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     """The ModelSpec of a recorded (resolved) config container, validated as the train app validates it."""
     from omegaconf import OmegaConf
 
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import to_config
     from trmoe.config.schema import Config
+    from trmoe.config.spec import model_spec
 
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), config)

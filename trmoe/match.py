@@ -56,14 +56,16 @@ def _ffn_text(spec) -> str:
 
 def solve_arm(overrides: list[str]) -> dict:
     from trmoe.config.param_match import solve_match
-    from trmoe.config.resolve import compose_packaged, model_spec, to_config
-    from trmoe.model.transformer import parameter_counts
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
 
     row: dict = {"overrides": overrides}
     try:
         cfg = to_config(compose_packaged([o for o in overrides if not o.startswith("hydra.")]))
     except UserError as e:  # composition errors worded as the train app words them
         return {**row, "error": str(e)}
+    from trmoe.model.transformer import parameter_counts  # torch: once the arm's config is valid
+
     spec = model_spec(cfg)
     counts = parameter_counts(spec)
     match = solve_match(cfg)

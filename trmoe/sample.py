@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from trmoe.cli import Parser
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 
 
@@ -80,7 +81,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if not loaded.text_vocab:
         raise UserError(
             f"run {args.run}: its model reads {loaded.spec.vocab_size} token ids, not o200k_base text "
-            "(model.vocab_size=200019); allowed: a run trained on text"
+            f"(model.vocab_size={O200K_VOCAB}); allowed: a run trained on text"
         )
     enc = load_o200k()
     records = []

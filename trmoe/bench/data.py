@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trmoe.bench.common import Parser, positive_int, record, run_cli
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError, file_in_the_way
 
 
@@ -39,7 +40,7 @@ def bench_shard(root: Path, shard_mb: int, reps: int, micro: int, seq_len: int) 
     from trmoe.data.pipeline import ShardWindows
     from trmoe.data.shards import ShardWriter, open_shard, verify_shard
 
-    vocab, chunk = 200_019, 1 << 22
+    vocab, chunk = O200K_VOCAB, 1 << 22
     tokens = shard_mb * 2**20 // 4
     writer = ShardWriter(root / "shard", vocab_size=vocab, tokenizer="bench", tokenizer_sha256=None,
                          partition="train", eos_id=None, source={"kind": "bench"})  # fmt: skip

@@ -13,7 +13,8 @@ import functools
 import torch
 
 from trmoe.bench.common import Parser, add_device, paired_ratio, positive_int, record, time_interleaved
-from trmoe.config.resolve import compose_packaged, model_spec, to_config
+from trmoe.config.resolve import compose_packaged, to_config
+from trmoe.config.spec import model_spec
 from trmoe.generate import Sampling, generate
 from trmoe.model.transformer import TRMoETransformer
 

@@ -16,6 +16,7 @@ import torch
 
 from trmoe.bench.common import LayerBench, layer_args, paired_ratio, record, time_interleaved
 from trmoe.config.schema import HardwareConfig
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.model.moe import SharedExpert, TRMoEFFN
 from trmoe.model.spec import ffn_spec
 from trmoe.runtime import env
@@ -72,7 +73,7 @@ def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, *args
     module(x, *args).backward(grad)
 
 
-VOCAB = 200_019
+VOCAB = O200K_VOCAB
 
 
 def layer_cases(

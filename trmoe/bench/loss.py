@@ -21,8 +21,9 @@ import torch
 
 from trmoe.bench.common import Parser, add_device, positive_int, record, run_cli
 from trmoe.config.schema import LossBackend
+from trmoe.data.tokenizer import O200K_VOCAB
 
-VOCAB = 200_019
+VOCAB = O200K_VOCAB
 KINDS = (*(b.value for b in LossBackend), "full")  # the train loop's loss backends, and full logits
 
 

@@ -27,7 +27,8 @@ MODELS = sorted(f.name.removesuffix(".yaml") for f in PROFILES.iterdir() if f.na
 def compose_arm(overrides: list[str], compile_model: bool = False):
     """The validated config and model spec of one arm, composed as the train app composes it; UserError (one
     line) for a bad override or value."""
-    from trmoe.config.resolve import compose_packaged, model_spec, to_config
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
 
     cfg = to_config(compose_packaged([*overrides, *(["trainer.compile=true"] if compile_model else [])]))
     return cfg, model_spec(cfg)
@@ -41,7 +42,7 @@ class Arm:
     configured loss backend (loss.backend), optionally torch.compile."""
 
     def __init__(self, overrides: list[str], device: torch.device, compile_model: bool):
-        from trmoe.data.pipeline import build_data
+        from trmoe.data.build import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
         from trmoe.optim.build import build_optimizer
         from trmoe.train.controls import TrainingControls

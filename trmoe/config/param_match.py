@@ -18,8 +18,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from trmoe.config.schema import Config, MatchField
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
-from trmoe.model.transformer import parameter_counts
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _with_width(cfg: Config, field: str, width: int) -> Config:
 
 
 def _counts(cfg: Config, field: str, width: int):
-    from trmoe.config.resolve import model_spec  # resolve imports this module
+    from trmoe.model.transformer import parameter_counts  # torch: only a config that matches pays for it
 
     return parameter_counts(model_spec(_with_width(cfg, field, width)))
 

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 from trmoe.model.routing import ALL_STRATEGIES
 
@@ -199,7 +200,7 @@ class ModelConfig:
     """Dimensions of the decoder and its TR-MoE FFN. Profiles: conf/model/*.yaml."""
 
     name: str = MISSING  # profile name, recorded in run_config.json
-    vocab_size: int = 200_019  # o200k_base n_vocab; the tied embedding has this many rows (before padding)
+    vocab_size: int = O200K_VOCAB  # o200k_base n_vocab; the tied embedding has this many rows before padding
     vocab_pad_multiple: int = 1  # round the embedding rows up to a multiple of this (speed); 1 = no padding
     hidden_size: int = MISSING  # model width H
     num_layers: int = MISSING  # decoder blocks L

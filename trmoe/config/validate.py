@@ -24,8 +24,8 @@ from trmoe.config.schema import (
     check_run_name,
 )
 from trmoe.data.shards import TOKEN_COUNTS_NAME
+from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
-from trmoe.load import O200K_VOCAB
 from trmoe.model.routing import (
     MAX_EXPERTS,
     MAX_HASH_COUNT,

@@ -1,4 +1,4 @@
-"""data=mixture: a weighted blend of several sources, each built by its own single-source builder.
+"""data=mixture: a weighted blend of several sources (trmoe.data.build builds them and the blend).
 
 The assignment of training samples to sources is a pure function of (weights, ramp, B, seed, step), with
 B = the global batch in samples (critical on resume, so fixed for a run):
@@ -21,17 +21,13 @@ run_config.json (data.plan).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from trmoe.config.schema import Config, DataSource, MixtureSourceConfig
 from trmoe.errors import UserError
-
-log = logging.getLogger("trmoe")
 
 SALT = 0x6D6978  # "mix": the slot shuffle's stream is not the sources' own window permutations
 
@@ -197,133 +193,3 @@ class MixtureWindows:
         for src in self.sources:
             if hasattr(src, "close"):
                 src.close()
-
-
-def source_config(cfg: Config, name: str, src: MixtureSourceConfig) -> Config:
-    """The single-source config of one mixture source: data.* with the source's keys."""
-    d = cfg.data
-    order = src.order or (d.order if src.source != DataSource.fineweb else type(d.order).sequential)
-    data = dataclasses.replace(
-        d,
-        source=src.source,
-        text_path=src.text_path,
-        separator=src.separator,
-        path=src.path,
-        eval_path=src.eval_path,
-        text_field=src.text_field or d.text_field,
-        order=order,
-        sources={},
-        mixture_ramp_start=None,
-        mixture_ramp_end=None,
-    )
-    return dataclasses.replace(cfg, data=data)
-
-
-def mixture_weights(cfg: Config) -> Weights:
-    sources = list(cfg.data.sources.values())
-    return Weights(
-        start=tuple(float(s.weight) for s in sources),
-        final=tuple(float(s.weight if s.weight_final is None else s.weight_final) for s in sources),
-        ramp_start=cfg.data.mixture_ramp_start,
-        ramp_end=cfg.data.mixture_ramp_end,
-    )
-
-
-def plan_mixture(cfg: Config, samples_per_step: int, windows: dict[str, int | None]) -> dict[str, Any]:
-    """Samples, tokens and epochs of each source over trainer.steps (what run_config.json and the planner
-    show). `windows`: each source's training windows (None: a stream, whose length is not known up front)."""
-    names = list(cfg.data.sources)
-    schedule = MixtureSchedule(mixture_weights(cfg), samples_per_step, cfg.trainer.seed)
-    counts = schedule.counts(cfg.trainer.steps)
-    out = {}
-    for name, n in zip(names, counts, strict=True):
-        w = windows.get(name)
-        out[name] = {
-            "samples": n,
-            "tokens": n * cfg.trainer.seq_len,
-            "share": n / max(1, sum(counts)),
-            "windows": w,
-            "epochs": None if not w else n / w,
-        }
-    return out
-
-
-def build_mixture(cfg: Config, vocab_size: int, samples_per_step: int):
-    """Build every source with its own builder, check they agree, and blend them."""
-    from trmoe.data.evalsets import describe_streams, scored_tokens
-    from trmoe.data.pipeline import DataPipeline, _digest, build_data
-
-    names = list(cfg.data.sources)
-    parts = {}
-    try:
-        for name in names:
-            try:
-                parts[name] = build_data(source_config(cfg, name, cfg.data.sources[name]), vocab_size)
-            except UserError as exc:
-                raise UserError(f"data.sources.{name}: {exc}") from None
-        first = names[0]
-        for name in names[1:]:
-            a, b = parts[first].info.get("tokenizer"), parts[name].info.get("tokenizer")
-            if a != b:
-                raise UserError(
-                    f"data.sources.{name}: tokenizer {b!r} differs from data.sources.{first}'s {a!r}; every "
-                    "source of a mixture must use one tokenizer"
-                )
-    except BaseException:
-        for part in parts.values():
-            part.close()
-        raise
-    weights = mixture_weights(cfg)
-    schedule = MixtureSchedule(weights, samples_per_step, cfg.trainer.seed)
-    train = MixtureWindows(names, [parts[n].train for n in names], schedule)
-    eval_set = [b for n in names for b in parts[n].eval_set]
-    eval_bytes = [parts[n].eval_bytes for n in names]
-    windows = {n: getattr(parts[n].train, "num_windows", None) for n in names}
-    plan = plan_mixture(cfg, samples_per_step, windows)
-    for name, p in plan.items():
-        if p["epochs"] is not None and p["epochs"] > 1:
-            log.info(
-                "data: source %s is read %.2f times over %d steps (it wraps around: a new epoch)",
-                name,
-                p["epochs"],
-                cfg.trainer.steps,
-            )
-    info = {
-        "source": "mixture",
-        "tokenizer": parts[names[0]].info.get("tokenizer"),
-        "tokenizer_sha256": parts[names[0]].info.get("tokenizer_sha256"),
-        "samples_per_step": samples_per_step,
-        "weights": dict(zip(names, weights.start, strict=True)),
-        "weights_final": dict(zip(names, weights.final, strict=True)),
-        "ramp": [weights.ramp_start, weights.ramp_end],
-        "rule": "per-step quotas: largest-remainder rounding of the cumulative ideal counts; slots shuffled "
-        "by PCG64([seed, 0x6d6978, step]); each source read in its own order, wrapping around",
-        "sources": {n: parts[n].info for n in names},
-        "plan": plan,  # samples, tokens and epochs of each source over trainer.steps (volatile)
-        "eval_tokens_scored": scored_tokens(eval_set),
-        "eval_bytes_scored": None if None in eval_bytes else sum(eval_bytes),
-    }
-    streams = describe_streams(
-        "each source's fixed training-split windows, concatenated (equal windows per source)",
-        "each source's fixed held-out windows, concatenated (equal windows per source, whatever the weights)",
-    )
-    data = DataPipeline(
-        train,
-        eval_set,
-        info,
-        eval_train_set=[b for n in names for b in parts[n].eval_train_set],
-        eval_bytes=info["eval_bytes_scored"],
-        streams=streams,
-        fingerprint=_digest(
-            [[n, parts[n].fingerprint] for n in names]
-            + [
-                list(weights.start),
-                list(weights.final),
-                weights.ramp_start,
-                weights.ramp_end,
-                samples_per_step,
-            ]
-        ),
-        sources=parts,
-    )
-    return data

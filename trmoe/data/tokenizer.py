@@ -17,6 +17,7 @@ import tiktoken
 from trmoe.errors import UserError
 
 TOKENIZER_NAME = "o200k_base"
+O200K_VOCAB = 200_019  # n_vocab of o200k_base: the model.vocab_size of every model that reads text
 EOS_ID = 199999
 ENDOFPROMPT_ID = 200018
 RANK_FILE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -78,7 +79,7 @@ def _parse_ranks(data: bytes) -> dict[bytes, int]:
 
 @functools.lru_cache(maxsize=1)
 def load_o200k() -> tiktoken.Encoding:
-    """The o200k_base encoding (n_vocab 200019, end-of-text id 199999), built offline and cached."""
+    """The o200k_base encoding (n_vocab O200K_VOCAB, end-of-text id EOS_ID), built offline and cached."""
     ranks = _parse_ranks(_rank_file_bytes())
     return tiktoken.Encoding(
         name=TOKENIZER_NAME,

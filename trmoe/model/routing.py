@@ -53,12 +53,17 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from trmoe.data.shards import TOKEN_COUNTS_NAME
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that take or make tensors: the config layer reads the registry
+# (its schema, validation and ModelSpec) without loading torch.
 
 __all__ = [
     "ALL_STRATEGIES",
@@ -263,6 +268,8 @@ def greedy_order(weights: np.ndarray) -> np.ndarray:
     order the old runner's greedy constructions visit tokens in (it is also libstdc++ std::sort's; with all
     weights equal it is not 0, 1, 2, ... and that order is what spreads the count-balanced secondary over
     all E(E-1) pairs)."""
+    import torch
+
     w = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float64))
     return torch.argsort(w, descending=True).numpy()
 
@@ -503,6 +510,8 @@ def build_route_table(
     torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``,
     ``frequencies`` (token counts, length vocab_size) only ``frequency_balanced_secondary``, which
     needs them. Raises ValueError on an unknown strategy, a learned one, or out-of-range sizes."""
+    import torch
+
     name, vocab, experts, k, lay, sd, h = _validate(
         strategy, vocab_size, num_experts, top_k, layer, seed, hash_count
     )
@@ -542,6 +551,8 @@ def load_token_counts(path: str) -> np.ndarray:
 
 def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert."""
+    import torch
+
     if table.dim() != 2:
         raise ValueError(f"route table must be 2-D [top_k, vocab_size], got shape {tuple(table.shape)}")
     experts = _check_int("num_experts", num_experts)
@@ -559,6 +570,8 @@ def balance_stats(table: torch.Tensor, num_experts: int) -> dict[str, float]:
     """Per-layer balance figures: ``primary_max_over_mean`` and ``primary_min_over_mean`` (counts of
     slot 0 against their mean V/E), ``all_max_over_mean`` and ``all_min_over_mean`` (counts of all
     K slots summed, against their mean K*V/E)."""
+    import torch
+
     counts = route_counts(table, num_experts).to(torch.float64)
     primary = counts[0]
     total = counts.sum(dim=0)
@@ -578,6 +591,8 @@ def tuple_grouping(table: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     (r_0, ..., r_{K-1}) than experts, else None. ``tuples`` ``[C, top_k]`` int64 (sorted), ``tuple_of``
     ``[vocab_size]`` the index of each token id's tuple, in the table's dtype. modulo_cyclic tables have
     exactly E tuples, any table at K = 1 at most E; hashed ones up to E!/(E-K)!."""
+    import torch
+
     ids = table.to(torch.int64)
     top_k = ids.shape[0]
     if num_experts**top_k > torch.iinfo(torch.int64).max:  # the codes below would wrap: rows, exactly

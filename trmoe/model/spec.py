@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything the model needs, resolved from the config (trmoe.config.resolve.model_spec)."""
+    """Everything the model needs, resolved from the config (trmoe.config.spec.model_spec)."""
 
     vocab_size: int  # token ids the route tables cover
     embedding_rows: int  # vocab_size rounded up to model.vocab_pad_multiple

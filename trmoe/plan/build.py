@@ -2,7 +2,7 @@
 
     world            hydra.launcher nodes x tasks_per_node for a submitit preset (hardware=slurm_*), else
                      --world (torchrun), else 1
-    tokens_per_step  micro_batch x seq_len x world x grad_accum (trmoe.data.pipeline.global_batch_tokens,
+    tokens_per_step  micro_batch x seq_len x world x grad_accum (trmoe.data.build.global_batch_tokens,
                      the function the train loop uses)
     steps            ceil(target tokens / tokens_per_step), or trainer.steps without a target
     FLOPs            trmoe.model.flops (forward + backward, per token) x tokens
@@ -18,7 +18,6 @@ import math
 from dataclasses import astuple, dataclass
 from decimal import Decimal, DecimalException
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trmoe.config.resolve import compose_packaged
@@ -145,13 +144,7 @@ def make_plan(
     throughput: Throughput = Throughput(),
 ) -> dict:
     """Every figure of the plan, JSON-ready. Raises UserError on bad input."""
-    from trmoe.config.resolve import model_spec, to_config
-    from trmoe.data.pipeline import global_batch_tokens
-    from trmoe.model.flops import flops_breakdown
-    from trmoe.model.transformer import TRMoETransformer, count_parameters
-    from trmoe.plan.memory import estimate_memory
-    from trmoe.runtime.distributed import DistEnv
-    from trmoe.runtime.parallel import resolve_strategy
+    from trmoe.config.resolve import to_config
 
     if tokens is not None and explicit_steps(overrides):
         raise UserError("--tokens: trainer.steps is set too; allowed: one of --tokens or trainer.steps")
@@ -161,6 +154,17 @@ def make_plan(
     with open_dict(raw):
         del raw["hydra"]  # the run config proper, as the train app sees it
     cfg = to_config(raw)
+    # the figures need the model (torch): loaded once the config is known to be valid
+    import torch
+
+    from trmoe.config.spec import model_spec
+    from trmoe.data.build import global_batch_tokens
+    from trmoe.model.flops import flops_breakdown
+    from trmoe.model.transformer import TRMoETransformer, count_parameters
+    from trmoe.plan.memory import estimate_memory
+    from trmoe.runtime.distributed import DistEnv
+    from trmoe.runtime.parallel import resolve_strategy
+
     t = cfg.trainer
     tokens_per_step = global_batch_tokens(t, w.size)
     if tokens is not None:
@@ -182,7 +186,7 @@ def make_plan(
 
     mixture = None
     if cfg.data.source == DataSource.mixture:  # samples, tokens and epochs of each source over the run
-        from trmoe.data.pipeline import build_data
+        from trmoe.data.build import build_data
 
         data = build_data(cfg, spec.vocab_size, world_size=w.size)
         data.close()

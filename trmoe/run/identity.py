@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.schema import AttentionKind, Config
-from trmoe.data.pipeline import global_batch_tokens
+from trmoe.data.build import global_batch_tokens
 
 ABSENT = "<absent>"
 

@@ -122,6 +122,15 @@ def attach_log_file(path: Path, early: EarlyLog | None = None) -> logging.Handle
     return handler
 
 
+def attach_rank_log(run_dir: Path, rank: int, early: EarlyLog | None = None) -> logging.Handler:
+    """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console, starting with what `early`
+    kept. Returns the file handler (the caller removes it at the end of the job)."""
+    from trmoe.runtime.distributed import quiet_console
+
+    quiet_console()
+    return attach_log_file(RunDir(run_dir).rank_log(rank), early)
+
+
 def write_run_config(run_dir: Path, record: dict[str, Any]) -> None:
     write_atomic(
         RunDir(run_dir).run_config, json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2)

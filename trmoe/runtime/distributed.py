@@ -19,13 +19,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from trmoe.run import records
-from trmoe.run.rundir import RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -157,13 +153,6 @@ def all_reduce_sum(*values: torch.Tensor) -> list[torch.Tensor]:
     stacked = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) for v in values])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     return list(stacked.unbind())
-
-
-def attach_rank_log(run_dir: Path, rank: int, early: records.EarlyLog | None = None) -> logging.Handler:
-    """Rank r > 0: log into <run dir>/logs/rank_<r>.log instead of the console, starting with what `early`
-    kept. Returns the file handler (the caller removes it at the end of the job)."""
-    quiet_console()
-    return records.attach_log_file(RunDir(run_dir).rank_log(rank), early)
 
 
 def quiet_console() -> None:

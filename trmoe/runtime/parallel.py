@@ -14,14 +14,10 @@ the wrapper returned here.
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 from torch import nn
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, Shard
-else:  # a torch build without torch.distributed: no DTensor can occur
-    DTensor = Shard = None
 
 from trmoe.config.schema import Strategy
 from trmoe.runtime.distributed import DistEnv
@@ -87,13 +83,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_dtensor(t: torch.Tensor | None) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # DTensor's module is loaded when one is made (fully_shard, a dcp load): until then there is none, and
+    # this check leaves it unloaded (a single-process run never needs its imports)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def shard_region(t: torch.Tensor) -> tuple[slice, ...]:
     """The region of a DTensor's global tensor that this rank holds (`t.to_local()`), as one slice per
     dimension. Shard placements split a dimension as torch.chunk does (FSDP2's and DTensor's layout: pieces
     of ceil(n / ranks), the last ones short or empty); Replicate keeps it whole."""
+    from torch.distributed.tensor import Shard
+
     start, size = [0] * t.dim(), list(t.shape)
     mesh = t.device_mesh
     for mesh_dim, placement in enumerate(t.placements):

@@ -19,7 +19,7 @@ import torch
 
 from trmoe.bench.common import Parser, positive_int, run_cli
 from trmoe.bench.step import compose_arm
-from trmoe.data.pipeline import build_data
+from trmoe.data.build import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import build_optimizer
 from trmoe.runtime import env

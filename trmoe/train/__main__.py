@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra composes)
-from trmoe.config.resolve import compose_error
+from trmoe.config.resolve import compose_error, to_config
 from trmoe.errors import RunFailed, UserError
 from trmoe.run import status
 from trmoe.run.signals import Preempted, hand_over
@@ -47,12 +47,13 @@ def _remove_empty_dirs(path: Path) -> None:
 def _app(cfg: DictConfig) -> float:
     global _task_started
     _task_started = True
-    from trmoe.train.loop import train
-
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sweeping = hc.mode == RunMode.MULTIRUN
     try:
+        to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
+        from trmoe.train.loop import train
+
         return train(cfg, run_dir)
     except Preempted as e:  # a stop signal: checkpoint saved; requeue (submitit) or exit 128 + signal
         print(f"trmoe: {e}", file=sys.stderr)
@@ -82,10 +83,11 @@ def _app(cfg: DictConfig) -> float:
         raise
     finally:
         # the process group of a torchrun/submitit job ends with the job (a basic-launcher sweep reuses
-        # this process for the next one)
-        from trmoe.runtime import distributed
+        # this process for the next one); only a job that got as far as loading the runtime can have one
+        if "trmoe.runtime.distributed" in sys.modules:
+            from trmoe.runtime import distributed
 
-        distributed.shutdown()
+            distributed.shutdown()
 
 
 def _is_composition_error(e: BaseException) -> bool:

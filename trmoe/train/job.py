@@ -20,8 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trmoe.config.resolve import model_spec, to_config
-from trmoe.data.pipeline import build_data
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
+from trmoe.data.build import build_data
 from trmoe.run import launch, records, signals, status, storage
 from trmoe.run import lock as runlock
 from trmoe.run.checkpoint import CheckpointStore, read_pointer
@@ -101,7 +102,7 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
         log_handler = records.attach_log_file(run.log, early)
     distributed.barrier()  # (prepare may replace logs/: the other ranks open their files after it)
     if rank != 0:
-        log_handler = distributed.attach_rank_log(run.path, rank, early)
+        log_handler = records.attach_rank_log(run.path, rank, early)
     try:
         with (
             signals.StopSignals() as stop,

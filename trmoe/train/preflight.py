@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from trmoe.config.resolve import model_spec
 from trmoe.config.schema import Config
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import group_layout

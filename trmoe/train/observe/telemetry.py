@@ -74,11 +74,15 @@ class MoETelemetry:
         self._recording = False
         self._sharded = False  # the last grad_norms() saw sharded (FSDP) gradients: collect() sums them
         self._handles = []
+        # the hooks run eagerly inside a compiled model: disabled here, not decorated, so that importing this
+        # module does not load dynamo
+        shared_hook = torch.compiler.disable(self._shared_hook)
+        routed_hook = torch.compiler.disable(self._routed_hook)
         for layer, ffn in enumerate(self.ffns):
             if ffn.shared is not None:
-                self._handles.append(ffn.shared.register_forward_hook(partial(self._shared_hook, layer)))
+                self._handles.append(ffn.shared.register_forward_hook(partial(shared_hook, layer)))
             if ffn.routed is not None:
-                self._handles.append(ffn.routed.register_forward_hook(partial(self._routed_hook, layer)))
+                self._handles.append(ffn.routed.register_forward_hook(partial(routed_hook, layer)))
         # The FFN sums its routed rows into the shared output in place (moe.py), so the routed hook sees
         # shared + routed: the routed part is that minus a copy of the shared output, taken as it is made.
         # Watching must not change what is computed (the same floating-point sums, telemetry on or off).
@@ -126,7 +130,6 @@ class MoETelemetry:
             handle.remove()
         self._shared_out.clear()
 
-    @torch.compiler.disable
     def _shared_hook(self, layer: int, module, inputs, output) -> None:
         if not self._recording:
             return
@@ -136,7 +139,6 @@ class MoETelemetry:
         if self.ffns[layer].routed is not None:  # the routed rows are added into this very tensor next
             self._shared_out[layer] = output.detach().clone()
 
-    @torch.compiler.disable
     def _routed_hook(self, layer: int, module, inputs, output) -> None:
         if not self._recording:
             return

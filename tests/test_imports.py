@@ -1,0 +1,232 @@
+"""The import structure of trmoe (docs/architecture.md): no circle between modules or between packages, the
+packages in layers that import only downwards (one upward arrow, named below with its reason), a torch-free
+config layer, and CLI error paths that answer before torch is loaded.
+
+The static graph is read from the source (every `import`, at module level or inside a function, but not
+under `if TYPE_CHECKING:`, which never runs); the import-weight checks run in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trmoe"
+
+# The packages, bottom to top: a package imports only from the layers below its own. A top-level module
+# (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("trmoe", "trmoe.errors"),  # the version; the user errors
+    ("trmoe.cli",),  # the tools' argument parser
+    ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
+    ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
+    ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec
+    ("trmoe.runtime", "trmoe.generate"),  # device, ranks, parallel wrapping; decoding
+    ("trmoe.run",),  # the run directory's lifecycle: launch, checkpoints, records, status, lock, signals
+    ("trmoe.optim", "trmoe.load", "trmoe.report", "trmoe.convert", "trmoe.match"),
+    ("trmoe.plan", "trmoe.eval", "trmoe.sample", "trmoe.export"),
+    ("trmoe.train",),  # the training job, the Trainer, its observers (train/observe)
+    ("trmoe.bench",),  # the benchmarks drive the training step
+    ("trmoe.tools",),  # developer tools over everything
+)
+
+# The one upward arrow: the data sources' builders read the run's Config (data.*, trainer.*) and live with
+# the sources they build; the config layer reads the tokenizer's vocabulary and the token-count file name
+# from data/, so the builders cannot sit below it. Only trmoe.data.build may take it.
+UPWARD = {("trmoe.data.build", "trmoe.config")}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of trmoe: dotted name -> (file, is a package's __init__)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The module that `import name` loads last: the longest prefix that is a module."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str) -> dict[str, int]:
+    """The trmoe modules `name` imports (module level and lazy): target -> first line."""
+    path, is_package = MODULES[name]
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    found: dict[str, int] = {}
+
+    def add(target: str | None, line: int) -> None:
+        if target and target != name:
+            found.setdefault(target, line)
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    walk(other)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == "trmoe":
+                        add(_owner(alias.name), child.lineno)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(here[: len(here) - child.level + 1] + ([base] if base else []))
+                if base.split(".")[0] != "trmoe":
+                    continue
+                for alias in child.names:
+                    full = f"{base}.{alias.name}"
+                    add(full if full in MODULES else _owner(base), child.lineno)
+            walk(child)
+
+    walk(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _package(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of `graph` (node -> what it imports) in import order, or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1][::-1]  # graphlib lists each node before the one that needs it
+    return None
+
+
+def test_no_circle_between_modules():
+    cycle = _cycle({name: set(targets) for name, targets in GRAPH.items()})
+    assert cycle is None, (
+        " -> ".join(f"{a} (line {GRAPH[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False))
+        + f" -> {cycle[-1]}"
+    )
+
+
+def _arrows() -> dict[tuple[str, str], list[str]]:
+    """Package -> package arrows, each with the module imports that make it."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for name, targets in GRAPH.items():
+        for target in targets:
+            a, b = _package(name), _package(target)
+            if a != b:
+                arrows.setdefault((a, b), []).append(f"{name} -> {target}:{targets[target]}")
+    return arrows
+
+
+def test_every_package_has_a_layer():
+    layered = [p for layer in LAYERS for p in layer]
+    assert len(layered) == len(set(layered))
+    assert sorted({_package(n) for n in MODULES}) == sorted(layered)
+
+
+def test_packages_import_only_downwards():
+    """Every package arrow goes to a lower layer, except the one named in UPWARD; so the packages form no
+    circle either."""
+    layer = {p: i for i, names in enumerate(LAYERS) for p in names}
+    wrong = []
+    for (a, b), why in sorted(_arrows().items()):
+        if layer[b] < layer[a]:
+            continue
+        allowed = [w for w in why if (w.split(" -> ")[0], b) in UPWARD]
+        if allowed != why:
+            wrong.append(f"{a} -> {b}: {'; '.join(w for w in why if w not in allowed)}")
+    assert not wrong, "\n".join(wrong)
+    folders: dict[str, set[str]] = {}
+    for a, b in _arrows():
+        if not any(a == _package(m) and b == p for m, p in UPWARD):
+            folders.setdefault(a, set()).add(b)
+    assert _cycle(folders) is None
+
+
+def test_run_imports_neither_train_nor_model():
+    """The run lifecycle (trmoe/run/) imports nothing of the model or the training (lazy imports too). Below
+    it, the config layer reads the routing strategies' registry (trmoe.model.routing, without torch); in a
+    fresh interpreter that imports every run module, that registry is all of model/ there is."""
+    run_modules = sorted(n for n in MODULES if _package(n) == "trmoe.run")
+    direct = sorted(
+        f"{n} -> {t}" for n in run_modules for t in GRAPH[n] if t.startswith(("trmoe.train", "trmoe.model"))
+    )
+    assert direct == []
+    code = (
+        "import importlib, sys\n"
+        f"for name in {run_modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('trmoe.train', 'trmoe.model'))))\n"
+    )
+    assert _fresh(code) == "['trmoe.model', 'trmoe.model.routing']"
+
+
+def _fresh(code: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+
+
+def test_the_config_layer_loads_no_torch():
+    """`import trmoe.config.schema` (and every module of trmoe/config) leaves torch unloaded: the CLIs
+    compose and validate a config before they pay for torch."""
+    assert _fresh("import sys, trmoe.config.schema; print('torch' in sys.modules)") == "False"
+    assert _fresh("import sys, trmoe.config; print('torch' in sys.modules)") == "False"
+    config = sorted(n for n in MODULES if n.startswith("trmoe.config."))
+    code = f"import importlib, sys\nfor n in {config!r}: importlib.import_module(n)\n"
+    assert _fresh(code + "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "['numpy']"
+
+
+_CLI = (
+    "import runpy, sys\n"
+    "sys.argv = [{module!r}, *{args!r}]\n"
+    "try:\n"
+    "    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "    print('exit', e.code, 'torch' in sys.modules)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "key"),
+    [
+        ("trmoe.train", ["model.hidden_sizee=3"], "hidden_sizee"),
+        ("trmoe.train", ["trainer.steps=-1"], "trainer.steps=-1"),
+        ("trmoe.plan", ["trainer.steps=-1"], "trainer.steps=-1"),
+        ("trmoe.match", ["model.hidden_sizee=3"], "hidden_sizee"),
+    ],
+)
+def test_a_bad_key_is_answered_before_torch_loads(tmp_path, module, args, key):
+    """The error path of a bad config: one line naming the key, exit code 2, torch never imported, nothing
+    written."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLI.format(module=module, args=args)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "exit 2 False", proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []

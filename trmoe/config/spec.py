@@ -1,0 +1,59 @@
+"""The ModelSpec of a validated config: every model dimension resolved (kv heads, padded embedding rows, the
+per-layer branch scales, the token-count file of a frequency strategy).
+
+Its own module so that parameter matching (param_match: counts the parameters of a candidate width) and
+resolution (resolve: validates, then solves the match) both build on it without importing each other."""
+
+from __future__ import annotations
+
+from trmoe.config.schema import Config
+from trmoe.config.validate import frequencies_path, kv_heads
+from trmoe.model.routing import REGISTRY
+from trmoe.model.spec import ModelSpec
+
+
+def depth_scales(first: float, last: float | None, num_layers: int) -> tuple[float, ...]:
+    """Fixed branch scale per layer: constant, or linear from `first` (layer 0) to `last` (layer L-1)."""
+    if last is None or num_layers == 1:
+        return (float(first),) * num_layers
+    return tuple(first + (last - first) * layer / (num_layers - 1) for layer in range(num_layers))
+
+
+def _route_frequencies(cfg: Config) -> str | None:
+    if not REGISTRY[cfg.routing.strategy.value].needs_frequencies:
+        return None
+    path = frequencies_path(cfg)
+    return str(path) if path is not None else None
+
+
+def model_spec(cfg: Config) -> ModelSpec:
+    m, r, a = cfg.model, cfg.routing, cfg.attention
+    pad = m.vocab_pad_multiple
+    return ModelSpec(
+        vocab_size=m.vocab_size,
+        embedding_rows=-(-m.vocab_size // pad) * pad,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=kv_heads(cfg),
+        max_seq_len=m.max_seq_len,
+        qk_norm=a.qk_norm,
+        rope_theta=a.rope_theta,
+        shared_width=m.shared_width,
+        routed_width=m.routed_width,
+        num_experts=m.num_experts,
+        top_k=r.top_k,
+        primary_weight=1.0 if r.top_k == 1 else r.primary_weight,
+        strategy=r.strategy.value,
+        route_seed=r.seed,
+        hash_count=r.hash_count,
+        gates=m.gates,
+        shared_gate_init=m.shared_gate_init,
+        routed_gate_init=m.routed_gate_init,
+        shared_scales=depth_scales(m.shared_scale, m.shared_scale_last, m.num_layers),
+        routed_scales=depth_scales(m.routed_scale, m.routed_scale_last, m.num_layers),
+        init_std=m.init_std,
+        norm_eps=m.norm_eps,
+        init=m.init.value,
+        route_frequencies=_route_frequencies(cfg),
+    )
