@@ -9,11 +9,11 @@ run or step, an empty prompt, a negative count): one line, exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from trmoe.cli import Parser
+from trmoe.durable import write_file
 from trmoe.errors import UserError
 
 
@@ -105,13 +105,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 }
             )
     if args.out is not None:
-        tmp = args.out.with_name(f".{args.out.name}.tmp")
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-            os.replace(tmp, args.out)
+            write_file(args.out, text, fsync=False)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise UserError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
     else:
         for r in records:
