@@ -33,7 +33,7 @@ def _parser() -> Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop a continuation at this string")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | rocm | mps")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16")
     p.add_argument("--out", type=Path, default=None, help="write JSONL here instead of printing")
     return p
