@@ -376,7 +376,7 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
         start_new_session=True,  # its own process group, as a terminal's foreground job
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    partial = out / "train" / "tokens.bin.partial"
+    partial = out / "train" / ".tokens.bin.partial"
     if when == "start-up":  # the shard files are open, the workers are being spawned
         wait_until(partial.exists, "the partial shard", proc)
     else:

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from trmoe.cli import Parser
+from trmoe.durable import staged_dir, write_file
 from trmoe.errors import UserError
 
 # The reference's strategy name -> the trmoe construction closest to it (only the placeholder's; see above).
@@ -241,7 +240,6 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
     from trmoe.config.spec import model_spec
     from trmoe.model.transformer import TRMoETransformer, count_parameters
     from trmoe.run.checkpoint import CheckpointStore
-    from trmoe.run.records import write_atomic
 
     source, out = Path(checkpoint), Path(out)
     if out.exists():
@@ -272,10 +270,7 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
         )
     container = OmegaConf.to_container(raw, resolve=True)
     # built aside and renamed into place: a failure leaves nothing at --out
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with staged_dir(out) as tmp:
         optimizer = torch.optim.AdamW(model.parameters())  # empty: the runner's moments are not carried
         meta = {"tokens": None, "config": container, "converted_from": record}
         CheckpointStore(tmp / "checkpoints").save(
@@ -292,12 +287,8 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
             "params": count_parameters(model).to_dict(),
             "converted_from": record,
         }
-        write_atomic(tmp / "run_config.json", json.dumps(run_config, indent=2) + "\n")
-        write_atomic(tmp / "overrides.txt", " ".join(overrides) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_file(tmp / "run_config.json", json.dumps(run_config, indent=2) + "\n")
+        write_file(tmp / "overrides.txt", " ".join(overrides) + "\n")
     return out
 
 

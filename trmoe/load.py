@@ -40,36 +40,6 @@ class LoadedModel:
         return self.spec.vocab_size == O200K_VOCAB
 
 
-def select_device(name: str = "auto") -> torch.device:
-    """auto: cuda if available, else mps, else cpu; or the named device (UserError when it is absent)."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        raise UserError(f"device {name!r}: allowed: auto, cpu, cuda, mps")
-    if (
-        name == "cuda"
-        and not torch.cuda.is_available()
-        or name == "mps"
-        and not torch.backends.mps.is_available()
-    ):
-        raise UserError(f"device {name}: not available on this machine; allowed: auto, cpu")
-    return torch.device(name)
-
-
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on a GPU, fp32 on CPU."""
-    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in table:
-        raise UserError(f"dtype {name!r}: allowed: auto, fp32, bf16, fp16")
-    return table[name]
-
-
 def find_checkpoint(path: str | Path, step: int | None = None):
     """The verified checkpoint (CheckpointInfo) of `path` at `step` (None: the newest complete one)."""
     from trmoe.run.checkpoint import META, CheckpointError, CheckpointStore
@@ -131,13 +101,14 @@ def load_model(
 ) -> LoadedModel:
     """The model of a run (or checkpoint) at `step` (None: the newest complete checkpoint), in eval mode."""
     from trmoe.run.checkpoint import TORCH_PAYLOAD, _single_process_quiet
+    from trmoe.runtime.env import pick_device, weights_dtype  # (not at the top: config.validate imports this)
 
     info = find_checkpoint(path, step)
     config = info.meta.get("config")
     if not isinstance(config, dict):
         raise UserError(f"checkpoint {info.path}: meta.json records no config; allowed: a trmoe checkpoint")
     spec = spec_from_config(config)
-    dev = select_device(device)
+    dev = pick_device(device, label="device")
     model = TRMoETransformer(spec)
     if info.meta.get("format", "torch") == "torch":
         state = torch.load(info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
@@ -152,5 +123,5 @@ def load_model(
     except RuntimeError as e:
         detail = " ".join(str(e).split("\n\t")[1:2]).strip() or str(e).splitlines()[0]
         raise UserError(f"checkpoint {info.path} does not fit its recorded config ({detail[:200]})") from None
-    model = model.to(device=dev, dtype=select_dtype(dtype, dev)).eval()
+    model = model.to(device=dev, dtype=weights_dtype(dtype, dev)).eval()
     return LoadedModel(model, spec, info.step, info.path, config, dev)

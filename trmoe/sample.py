@@ -9,12 +9,12 @@ run or step, an empty prompt, a negative count): one line, exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from trmoe.cli import Parser
 from trmoe.data.tokenizer import O200K_VOCAB
+from trmoe.durable import write_file
 from trmoe.errors import UserError
 
 
@@ -34,7 +34,7 @@ def _parser() -> Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop a continuation at this string")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | rocm | mps")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16")
     p.add_argument("--out", type=Path, default=None, help="write JSONL here instead of printing")
     return p
@@ -106,13 +106,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 }
             )
     if args.out is not None:
-        tmp = args.out.with_name(f".{args.out.name}.tmp")
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-            os.replace(tmp, args.out)
+            write_file(args.out, text, fsync=False)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise UserError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
     else:
         for r in records:

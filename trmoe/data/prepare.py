@@ -6,7 +6,7 @@ and one row per Parquet row, the text in --text-field. Each document goes to tra
 content-hash rule (trmoe.data.corpus.is_eval_document), never by its position. Worker processes tokenize
 chunks of documents with tiktoken's batch encoder; results are written in input order as they arrive, so
 memory stays bounded and re-running on the same input gives byte-identical shards. Output files are written
-as *.partial and renamed when complete; any error removes them.
+as hidden .*.partial files and renamed when complete; any error removes them.
 
     python -m trmoe.data.prepare corpus/ --out data/mycorpus --eval-fraction 0.01
     python -m trmoe.data.prepare verify data/mycorpus
@@ -38,6 +38,7 @@ from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.identity import file_sha256
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.durable import write_file
 from trmoe.errors import UserError, require_directory
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -293,12 +294,7 @@ def _check_out(out: Path) -> None:
 def write_token_counts(out: Path, counts: np.ndarray) -> None:
     """<out>/token_counts.npy: int64 [vocab], how often each token id occurs in the training split (written
     through a temporary file: a partial table is never read as a whole one)."""
-    tmp = out / (TOKEN_COUNTS_NAME + ".partial")
-    with open(tmp, "wb") as f:
-        np.save(f, counts.astype(np.int64), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / TOKEN_COUNTS_NAME)
+    write_file(out / TOKEN_COUNTS_NAME, lambda f: np.save(f, counts.astype(np.int64), allow_pickle=False))
 
 
 def prepare(
@@ -413,9 +409,7 @@ def prepare(
         # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
         "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
     }
-    tmp = out / (DATASET_FILE + ".partial")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out / DATASET_FILE)
+    write_file(out / DATASET_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n", fsync=False)
     summary["elapsed_s"] = elapsed
     summary["input_bytes"] = int(offsets[-1])
     return summary

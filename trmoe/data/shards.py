@@ -2,10 +2,10 @@
 
 The format is specified in docs/data.md; shards of the runner trmoe replaces (format
 "complexity-token-shard-v1": the same tokens.bin, another index) are read too. A shard is read by memory
-map (no copy into RAM; opening it costs the same for 1 MB and 100 GB), written as `*.partial` files that are
-renamed only when complete (index last), and checked on load: format and version, dtype, byte size =
-num_tokens x itemsize, token ids against the vocab; `verify_shard` also re-hashes the file and rescans the
-ids.
+map (no copy into RAM; opening it costs the same for 1 MB and 100 GB), written as hidden `.*.partial` files
+that are renamed only when complete (index last; trmoe.durable), and checked on load: format and version,
+dtype, byte size = num_tokens x itemsize, token ids against the vocab; `verify_shard` also re-hashes the file
+and rescans the ids.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from trmoe.durable import AtomicFile, partial_path, write_file
 from trmoe.errors import UserError
 
 # the training split's token frequencies, by the dataset's train/ and eval/ (trmoe.data.prepare writes it)
@@ -269,8 +270,8 @@ def verify_shard(directory: str | Path, *, index: dict[str, Any] | None = None) 
 
 
 class ShardWriter:
-    """Streams token ids to `<dir>/tokens.bin.partial`; `close()` writes the index and renames both files
-    (the bin first, the index last, so a directory with tokens.idx.json always holds a complete shard)."""
+    """Streams token ids to `<dir>/.tokens.bin.partial`; `close()` renames it to tokens.bin, then writes the
+    index the same way (last, so a directory with tokens.idx.json always holds a complete shard)."""
 
     def __init__(
         self,
@@ -296,9 +297,7 @@ class ShardWriter:
             "source": source,
         }
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._bin_partial = self.directory / (BIN_NAME + ".partial")
-        self._idx_partial = self.directory / (INDEX_NAME + ".partial")
-        self._file = open(self._bin_partial, "wb")
+        self._bin = AtomicFile(self.directory / BIN_NAME)
         self._sha = hashlib.sha256()
         self.num_tokens = 0
         self.max_token_id = -1
@@ -313,7 +312,7 @@ class ShardWriter:
             if lo < 0 or hi >= self.meta["vocab_size"]:
                 raise ValueError(f"token ids must be in [0, {self.meta['vocab_size']}), got [{lo}, {hi}]")
             data = ids.astype(self.dtype, copy=False).tobytes()
-            self._file.write(data)
+            self._bin.file.write(data)
             self._sha.update(data)
             self.num_tokens += int(ids.size)
             self.max_token_id = max(self.max_token_id, hi)
@@ -322,9 +321,7 @@ class ShardWriter:
 
     def close(self) -> dict[str, Any]:
         """Finish the shard; returns its index."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._bin.commit()
         index = {
             "format": FORMAT,
             "version": VERSION,
@@ -337,20 +334,13 @@ class ShardWriter:
             "text_bytes": self.text_bytes,
             **self.meta,
         }
-        with open(self._idx_partial, "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(self._bin_partial, self.directory / BIN_NAME)
-        os.replace(self._idx_partial, self.directory / INDEX_NAME)
+        write_file(self.directory / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
         return index
 
     def abort(self) -> None:
         """Remove the partial files (and the directory if it is then empty)."""
-        if not self._file.closed:
-            self._file.close()
-        for path in (self._bin_partial, self._idx_partial):
-            path.unlink(missing_ok=True)
+        self._bin.discard()
+        partial_path(self.directory / INDEX_NAME).unlink(missing_ok=True)  # a killed run's
         try:
             self.directory.rmdir()
         except OSError:

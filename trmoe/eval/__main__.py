@@ -9,11 +9,11 @@ without a checkpoint): one line, exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from trmoe.durable import write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
 
@@ -72,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             "versions": results.get("versions"),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        os.replace(tmp, out)
+        write_file(out, json.dumps(record, indent=2, default=str) + "\n", fsync=False)
     except UserError as e:
         print(f"trmoe: {e}", file=sys.stderr)
         return e.exit_code

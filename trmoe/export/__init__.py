@@ -17,13 +17,12 @@ existing non-empty directory is never written into.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from trmoe.durable import staged_dir
 from trmoe.errors import UserError, require_directory
 from trmoe.load import LoadedModel
 
@@ -160,18 +159,9 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
     loaded = LoadedModel(
         model, loaded.spec, loaded.step, loaded.checkpoint, loaded.config, torch.device("cpu")
     )
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out) as tmp:  # an empty directory at `out` (checked above) is replaced
         if fmt == "hf":
             _write_hf(loaded, tmp, tokenizer=loaded.text_vocab)
         else:
             _write_safetensors(loaded, tmp)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

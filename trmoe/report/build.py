@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trmoe.durable import write_file
 from trmoe.errors import UserError, require_directory
 from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
@@ -18,7 +19,6 @@ from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_c
 from trmoe.report.runs import Run, common_root, load_runs
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
-from trmoe.run.records import write_atomic
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
@@ -526,7 +526,7 @@ def build_report(
             (PAIRS_CSV, _pairs_csv(rep)),
             (REPORT_MD, rep.markdown),
         ):
-            write_atomic(folder / name, text)
+            write_file(folder / name, text)
     except OSError as e:  # a disk that filled meanwhile: each file is whole or as it was
         raise UserError(f"report: cannot write the report into {folder} ({e.strerror or e})") from None
     return rep

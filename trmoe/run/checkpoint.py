@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from trmoe.config.schema import CheckpointConfig
+from trmoe.durable import fsync_dir, write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import CHECKPOINTS, RunDir
 
@@ -89,15 +90,6 @@ def rank_file(rank: int) -> str:
 # ------------------------------------------------------------------------------------------- durable files
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (POSIX: the directory entry lives in the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _ChecksumWriter:
     """A binary file wrapper that counts and CRC32s what goes through it (so the checksum in meta.json is
     of the bytes that were written, not of a later re-read)."""
@@ -118,13 +110,14 @@ class _ChecksumWriter:
 
 
 def _write_durable(path: Path, obj: Any) -> dict[str, int]:
-    """torch.save(obj) to path, fsynced; returns its size and CRC32."""
-    with open(path, "wb") as f:
+    """torch.save(obj) to path (in the temporary directory), fsynced; returns its size and CRC32."""
+
+    def save(f) -> dict[str, int]:
         writer = _ChecksumWriter(f)
         torch.save(obj, writer)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": writer.bytes, "crc32": writer.crc32}
+        return {"bytes": writer.bytes, "crc32": writer.crc32}
+
+    return write_file(path, save, atomic=False)
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -144,13 +137,6 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _write_text_durable(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def file_crc32(path: Path) -> dict[str, int]:
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -161,11 +147,8 @@ def file_crc32(path: Path) -> dict[str, int]:
 
 
 def write_pointer(directory: Path, name: str) -> None:
-    """Atomically replace `latest` with `name`."""
-    tmp = directory / f".{LATEST}.tmp"
-    _write_text_durable(tmp, name + "\n")
-    os.replace(tmp, directory / LATEST)
-    fsync_dir(directory)
+    """Atomically replace `latest` with `name` (latest.partial, fsync, rename, directory fsync)."""
+    write_file(directory / LATEST, name + "\n")
 
 
 def read_pointer(directory: Path) -> str | None:
@@ -492,7 +475,7 @@ class CheckpointStore:
                 record["files"] = files
                 record["optimizer_empty"] = empty
                 try:
-                    _write_text_durable(tmp / META, seal_meta(record))
+                    write_file(tmp / META, seal_meta(record), atomic=False)
                     fsync_dir(tmp)
                     self._move_into_place(tmp, final)
                     write_pointer(self.directory, final.name)

@@ -122,7 +122,7 @@ class Launch:
         if metrics.is_file():
             self.metrics_rows = records.continue_metrics(metrics, step)
         else:
-            records.MetricsWriter(metrics).close()
+            records.StepCsv(metrics, records.METRIC_COLUMNS).close()
             self.metrics_rows = 0
         expected = self.checkpoint.meta.get("metrics", {}).get("rows")
         if expected is not None and expected != self.metrics_rows:

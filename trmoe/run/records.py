@@ -15,11 +15,13 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.durable import write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
 
@@ -62,32 +64,17 @@ METRIC_COLUMNS = (
 )
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole, or its previous content: a write that fails (a full disk) leaves no
-    temporary file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """What Hydra itself would write to <run dir>/.hydra: the job config, Hydra's config, the overrides."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra_dir = RunDir(run_dir).hydra
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_file(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     if HydraConfig.initialized():
         hc = HydraConfig.get()
-        write_atomic(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
-        write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
+        write_file(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
+        write_file(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
 
 
 class EarlyLog(logging.Handler):
@@ -132,9 +119,7 @@ def attach_rank_log(run_dir: Path, rank: int, early: EarlyLog | None = None) -> 
 
 
 def write_run_config(run_dir: Path, record: dict[str, Any]) -> None:
-    write_atomic(
-        RunDir(run_dir).run_config, json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2)
-    )
+    write_file(RunDir(run_dir).run_config, json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2))
 
 
 def _fmt(value: Any) -> str:
@@ -145,31 +130,45 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-class MetricsWriter:
-    """metrics.csv: one row per logged step, flushed as written. `append=True` continues an existing file
-    (after `continue_metrics` trimmed it to the resumed step). `columns`: METRIC_COLUMNS, then the data's
-    own (a mixture's per-source figures, `DataPipeline.metric_columns`)."""
+def _first_line(path: Path) -> str:
+    with open(path, newline="") as f:
+        return f.readline().rstrip("\r\n")
 
-    def __init__(
-        self, path: Path, *, append: bool = False, rows: int = 0, columns: tuple[str, ...] = METRIC_COLUMNS
-    ):
-        append = append and rows > 0  # a header alone (a resume that found no metrics.csv) gets this header
+
+class StepCsv:
+    """A per-step CSV (metrics.csv, telemetry.csv): a header of `columns`, then one line per row, each value
+    formatted by `_fmt`, flushed as written. `append=True` continues a file that already holds a header and
+    `rows` rows (a resume: trmoe.run.launch trimmed it to the checkpoint's step, `continue_metrics` /
+    `trim_csv`); otherwise the file is started with the header. `continuing` decides that from the file."""
+
+    def __init__(self, path: Path, columns: Sequence[str], *, append: bool = False, rows: int = 0):
         self.path = path
-        self.rows = rows if append else 0
         self.columns = tuple(columns)
+        self.rows = rows if append else 0
         self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.writer(self._file)
         if not append:
             self._writer.writerow(self.columns)
             self._file.flush()
 
+    @classmethod
+    def continuing(cls, path: Path, columns: Sequence[str]) -> StepCsv:
+        """Append to `path` if it starts with this header (a resumed run's file), else start it. (`rows`
+        then counts the rows this writer wrote.)"""
+        append = path.is_file() and _first_line(path) == ",".join(columns)
+        return cls(path, columns, append=append)
+
     def write(self, row: dict[str, Any]) -> None:
-        unknown = set(row) - set(self.columns)
-        if unknown:
-            raise KeyError(f"unknown metric columns: {sorted(unknown)}")
-        self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
+        self.write_rows([row])
+
+    def write_rows(self, rows: Iterable[dict[str, Any]]) -> None:
+        for row in rows:
+            unknown = set(row) - set(self.columns)
+            if unknown:
+                raise KeyError(f"unknown {self.path.name} columns: {sorted(unknown)}")
+            self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
+            self.rows += 1
         self._file.flush()
-        self.rows += 1
 
     def sync(self) -> dict[str, int]:
         """fsync (a checkpoint never gets ahead of the rows it covers) and return the position."""
@@ -180,7 +179,7 @@ class MetricsWriter:
     def rewind(self, step: int) -> None:
         """Drop the rows after `step` (a rollback to that step's checkpoint) and go on appending."""
         self._file.close()
-        self.rows = continue_metrics(self.path, step)
+        self.rows = trim_csv(self.path, step)
         self._file = open(self.path, "a", newline="")
         self._writer = csv.writer(self._file)
 
@@ -234,7 +233,7 @@ def continue_metrics(path: Path, through_step: int) -> int:
     writer.writerow(columns)
     for row in kept:
         writer.writerow([row.get(col, "nan") for col in columns])
-    write_atomic(path, out.getvalue())
+    write_file(path, out.getvalue())
     return len(kept)
 
 
@@ -247,5 +246,5 @@ def trim_csv(path: Path, through_step: int) -> int:
     if header is not None:
         writer.writerow(header)
     writer.writerows(kept)
-    write_atomic(path, out.getvalue())
+    write_file(path, out.getvalue())
     return len(kept)

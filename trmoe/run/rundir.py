@@ -5,7 +5,7 @@
       run_config.json         what the run is: config, model, data, attempts (records.write_run_config)
       status.json             running | finished | failed | preempted, with the error line (status.py)
       train.log               rank 0's log; logs/rank_<r>.log for the ranks > 0 of a distributed run
-      metrics.csv             one row per logged step (records.MetricsWriter); metrics.csv.orig after a
+      metrics.csv             one row per logged step (records.StepCsv); metrics.csv.orig after a
                               column migration on resume
       telemetry.csv           per-layer expert telemetry (telemetry.moe=true)
       checkpoints/            step_XXXXXXXX/ and `latest` (checkpoint.CheckpointStore)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trmoe.run.records import write_atomic
+from trmoe.durable import write_file
 from trmoe.run.rundir import STATUS as STATUS_FILE
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
@@ -37,7 +37,7 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     text = json.dumps(record, indent=2) + "\n"
     path = run_dir / STATUS_FILE
     try:
-        write_atomic(path, text)
+        write_file(path, text)
     except OSError:
         if not path.is_file():
             raise

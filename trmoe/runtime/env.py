@@ -25,30 +25,44 @@ def mps_available() -> bool:
     return torch.backends.mps.is_available()
 
 
-def select_device(hw: HardwareConfig) -> torch.device:
+def pick_device(name: str, *, label: str) -> torch.device:
+    """The device `name` asks for: auto (a GPU if there is one, else MPS, else the CPU), or one of
+    hardware.device's names (cpu, mps, cuda, rocm). cuda and rocm are both torch's "cuda" device type: the
+    torch build decides which one it is, and the name must match it. A name that is not available here is a
+    UserError that begins `<label>=<name>`, as the caller's user wrote the choice (the train app's config
+    key, a tool's --device)."""
     is_rocm = torch.version.hip is not None
     has_gpu = torch.cuda.is_available()
     has_mps = mps_available()
-    want = hw.device
-    if want == Device.auto:
+    if name == Device.auto:
         return torch.device("cuda") if has_gpu else torch.device("mps") if has_mps else torch.device("cpu")
-    if want == Device.cpu:
+    if name == Device.cpu:
         return torch.device("cpu")
-    if want == Device.mps:
+    if name == Device.mps:
         if not has_mps:
-            raise UserError("config error: hardware=mps: MPS is not available here; allowed: auto, cpu")
+            raise UserError(f"{label}=mps: MPS is not available here; allowed: auto, cpu")
         return torch.device("mps")
-    # cuda and rocm both use torch's "cuda" device type; the torch build decides which one it is
-    if not has_gpu or (want == Device.rocm) != is_rocm:
+    if name not in (Device.cuda, Device.rocm):
+        raise UserError(f"{label}={name}: allowed: {', '.join(d.value for d in Device)}")
+    if not has_gpu or (name == Device.rocm) != is_rocm:
         raise UserError(
-            f"config error: hardware={want.value}: no {want.value.upper()} device is available to this torch "
-            f"build ({torch.__version__}); allowed here: auto, cpu"
+            f"{label}={name}: no {name.upper()} device is available to this torch build "
+            f"({torch.__version__}); allowed here: auto, cpu"
         )
     return torch.device("cuda")
 
 
+def select_device(hw: HardwareConfig) -> torch.device:
+    """The train app's device: hardware.device."""
+    return pick_device(hw.device.value, label="config error: hardware")
+
+
+# hardware.precision's (and a loading tool's --dtype's) names of the reduced precisions
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def autocast_dtype(hw: HardwareConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32. Master weights always stay fp32."""
+    """Training: the autocast dtype, or None for plain fp32. Master weights always stay fp32."""
     p = hw.precision
     if p == Precision.fp32 or (p == Precision.auto and device.type != "cuda"):
         return None
@@ -56,7 +70,17 @@ def autocast_dtype(hw: HardwareConfig, device: torch.device) -> torch.dtype | No
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu":
         raise UserError(f"config error: hardware.precision={p.value}: CPU runs use fp32; allowed: auto, fp32")
-    return torch.bfloat16 if p == Precision.bf16 else torch.float16
+    return DTYPES[p.value]
+
+
+def weights_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A loaded model's (sample, eval, export): the dtype its weights are cast to, `--dtype` `name`; auto:
+    bf16 on a GPU, fp32 on the CPU. Not autocast: no fp32 master weights stay behind."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise UserError(f"dtype {name!r}: allowed: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

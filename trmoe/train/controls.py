@@ -22,12 +22,13 @@ from torch import nn
 from trmoe.config.schema import Config, LossBackend
 from trmoe.errors import UserError
 from trmoe.optim.build import GroupLRs, describe_groups
+from trmoe.run.records import StepCsv
 from trmoe.run.rundir import TELEMETRY
 from trmoe.runtime.env import autocast_dtype
 from trmoe.train.diversity import expert_diversity
 from trmoe.train.loss import LossSums
 from trmoe.train.loss_backend import resolve_backend, training_loss
-from trmoe.train.observe.telemetry import MoETelemetry, TelemetryWriter
+from trmoe.train.observe.telemetry import MoETelemetry, telemetry_columns
 from trmoe.train.schedule import apply_lr, build_schedules
 
 log = logging.getLogger("trmoe")
@@ -96,7 +97,7 @@ class TrainingControls:
         self._diversity: torch.Tensor | None = None  # last penalty value (device, detached)
         self._router: torch.Tensor | None = None  # this step's [aux, z], micro-batch mean (device, detached)
         self._grad_sq: torch.Tensor | None = None
-        self._telemetry_writer: TelemetryWriter | None = None
+        self._telemetry_writer: StepCsv | None = None
         self.layer_rows: list[dict[str, Any]] = []  # the last logged step's telemetry.csv rows (trackers)
 
     # --- once per run -------------------------------------------------------------------------------
@@ -111,7 +112,9 @@ class TrainingControls:
         but rank 0 alone writes telemetry.csv."""
         self._group_lrs = GroupLRs(self.model, optimizer)
         if self.telemetry is not None and telemetry_csv is not None:
-            self._telemetry_writer = TelemetryWriter(telemetry_csv, self.telemetry.num_experts)
+            self._telemetry_writer = StepCsv.continuing(
+                telemetry_csv, telemetry_columns(self.telemetry.num_experts)
+            )
 
     def record(self, optimizer) -> dict[str, Any]:
         """For run_config.json: what the controls resolved to."""
@@ -215,7 +218,7 @@ class TrainingControls:
             self._grad_sq = None
             row.update(aggregate)
             if self._telemetry_writer is not None:
-                self._telemetry_writer.write(layer_rows)
+                self._telemetry_writer.write_rows(layer_rows)
             self.layer_rows = layer_rows
         return row
 

@@ -36,8 +36,12 @@ class RunOutput:
         main, run = rank == 0, launch.run
         self.total_steps = cfg.trainer.steps
         self.metrics = (
-            records.MetricsWriter(
-                run.metrics, append=launch.mode == "resume", rows=launch.metrics_rows, columns=columns
+            records.StepCsv(
+                run.metrics,
+                columns,
+                # a header alone (a resume that found no metrics.csv) gets this run's header
+                append=launch.mode == "resume" and launch.metrics_rows > 0,
+                rows=launch.metrics_rows,
             )
             if main
             else NullMetrics()

@@ -27,16 +27,13 @@ checkpoint recomputation are not).
 from __future__ import annotations
 
 import contextlib
-import csv
 import math
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trmoe.run.records import _fmt, trim_csv
 from trmoe.runtime import env
 from trmoe.runtime.parallel import is_dtensor, shard_region
 
@@ -254,41 +251,3 @@ def _shard_counted_here(g: torch.Tensor) -> bool:
     if mesh.size() != dist.get_world_size():
         raise NotImplementedError(f"telemetry: gradients on a {mesh} that is not the whole world")
     return all(mesh.get_local_rank(i) == 0 for i, p in enumerate(g.placements) if p.is_replicate())
-
-
-def _first_line(path: Path) -> str:
-    with open(path, newline="") as f:
-        return f.readline().rstrip("\r\n")
-
-
-class TelemetryWriter:
-    """telemetry.csv: one row per layer per logged step, flushed as written."""
-
-    def __init__(self, path: Path, num_experts: int):
-        self.path = path
-        self.columns = telemetry_columns(num_experts)
-        # a resumed run continues its file (trmoe.run.launch trimmed it to the checkpoint's step)
-        append = path.is_file() and _first_line(path) == ",".join(self.columns)
-        self._file = open(path, "a" if append else "w", newline="")
-        self._writer = csv.writer(self._file)
-        if not append:
-            self._writer.writerow(self.columns)
-        self._file.flush()
-
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
-            unknown = set(row) - set(self.columns)
-            if unknown:
-                raise KeyError(f"unknown telemetry columns: {sorted(unknown)}")
-            self._writer.writerow([_fmt(row.get(col)) for col in self.columns])
-        self._file.flush()
-
-    def rewind(self, step: int) -> None:
-        """Drop the rows after `step` (a rollback to that step's checkpoint) and go on appending."""
-        self._file.close()
-        trim_csv(self.path, step)
-        self._file = open(self.path, "a", newline="")
-        self._writer = csv.writer(self._file)
-
-    def close(self) -> None:
-        self._file.close()

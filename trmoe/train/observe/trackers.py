@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from trmoe.config.schema import LoggerConfig
+from trmoe.durable import write_file
 from trmoe.errors import UserError
-from trmoe.run.records import write_atomic
 from trmoe.run.rundir import TRACKERS as TRACKERS_FILE
 
 log = logging.getLogger("trmoe")
@@ -252,7 +252,7 @@ class Trackers:
     def _save(self) -> None:
         state = {name: t.state for name, t in self._trackers.items() if t.state}
         if state:
-            write_atomic(self.run_dir / TRACKERS_FILE, json.dumps(state, indent=2))
+            write_file(self.run_dir / TRACKERS_FILE, json.dumps(state, indent=2))
 
     def log(self, row: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> None:
         """A metrics row and the telemetry.csv rows of the same step (`layers`, telemetry.moe), at once:
