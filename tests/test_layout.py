@@ -26,7 +26,9 @@ RUN_LIFECYCLE = (
 )
 # ... and what trains it.
 TRAINING_INTERNALS = (
-    "trmoe.train.controls",
+    "trmoe.train.objective",
+    "trmoe.train.scheduler",
+    "trmoe.train.prepare",
     "trmoe.optim.build",
     "trmoe.train.schedule",
     "trmoe.train.trainer",
