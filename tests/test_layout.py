@@ -21,6 +21,7 @@ RUN_LIFECYCLE = (
     "trmoe.run.lock",
     "trmoe.run.storage",
     "trmoe.run.signals",
+    "trmoe.run.cadence",
     "trmoe.report.runs",
     "trmoe.report.build",
 )
