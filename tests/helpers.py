@@ -144,14 +144,14 @@ def module_hooks(model) -> int:
 
 
 def watch_training(monkeypatch) -> list[dict]:
-    """Patches train() to keep, per run: its TrainingControls (`controls`), the hooks on the model at each
+    """Patches train() to keep, per run: its Objective (`controls`), the hooks on the model at each
     training forward (`hooks`), the grad-enabled runs of block 0's attention (`attention`: a training
     forward, or its recomputation in the backward) and the tokens of every grad-enabled shared-expert SwiGLU
     call (`shared_rows`). Module hooks do not see a recomputation: the functions are wrapped instead."""
 
     from trmoe.model import moe
     from trmoe.train import trainer
-    from trmoe.train.controls import TrainingControls
+    from trmoe.train.objective import Objective
 
     runs: list[dict] = []
     real_swiglu = moe.swiglu
@@ -161,9 +161,9 @@ def watch_training(monkeypatch) -> list[dict]:
             runs[-1]["shared_rows"].append(x.shape[0])
         return real_swiglu(x, w_in, w_out)
 
-    class Watched(TrainingControls):
-        def __init__(self, cfg, model, device):
-            super().__init__(cfg, model, device)
+    class Watched(Objective):
+        def __init__(self, cfg, model, *args, **kwargs):
+            super().__init__(cfg, model, *args, **kwargs)
             run = {"controls": self, "hooks": [], "attention": 0, "shared_rows": []}
             run["shared_w_in"] = [b.ffn.shared.w_in for b in model.blocks if b.ffn.shared is not None]
             runs.append(run)
@@ -180,7 +180,7 @@ def watch_training(monkeypatch) -> list[dict]:
             return super().forward(inputs)
 
     monkeypatch.setattr(moe, "swiglu", swiglu)
-    monkeypatch.setattr(trainer, "TrainingControls", Watched)
+    monkeypatch.setattr(trainer, "Objective", Watched)
     return runs
 
 

@@ -26,7 +26,8 @@ import signal
 import sys
 
 import trmoe.run.checkpoint as ckpt
-from trmoe.train.controls import TrainingControls
+from trmoe.train.objective import Objective
+from trmoe.train.scheduler import Scheduler
 
 current = {"step": 0, "saving": None}
 
@@ -43,18 +44,18 @@ def install(fault: str) -> None:
     k = int(k)
     phase = rest[0] if rest else ""
 
-    begin_step = TrainingControls.begin_step
+    begin_step = Scheduler.begin_step
 
-    def tracked_begin_step(self, step, optimizer):
+    def tracked_begin_step(self, step):
         if kind == "step" and phase == "after" and step == k + 1:
             die()
         current["step"] = step
-        return begin_step(self, step, optimizer)
+        return begin_step(self, step)
 
-    TrainingControls.begin_step = tracked_begin_step
+    Scheduler.begin_step = tracked_begin_step
 
     if kind in ("step", "signal"):
-        forward = TrainingControls.forward
+        forward = Objective.forward
 
         def faulty_forward(self, inputs):
             if current["step"] == k:
@@ -64,10 +65,10 @@ def install(fault: str) -> None:
                     os.kill(os.getpid(), getattr(signal, f"SIG{phase}"))
             return forward(self, inputs)
 
-        TrainingControls.forward = faulty_forward
+        Objective.forward = faulty_forward
 
     if kind == "nan":
-        loss = TrainingControls.loss
+        loss = Objective.loss
 
         def nan_loss(self, hidden, targets):
             sums = loss(self, hidden, targets)
@@ -75,7 +76,7 @@ def install(fault: str) -> None:
                 return type(sums)(sums.total * float("nan"), sums.ce * float("nan"), sums.z, sums.tokens)
             return sums
 
-        TrainingControls.loss = nan_loss
+        Objective.loss = nan_loss
 
     if kind == "eval":
         import trmoe.train.observe.evaluation as evaluation

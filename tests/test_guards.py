@@ -39,14 +39,15 @@ def _inject(
 ) -> None:
     """Multiply the loss of the steps in `at` by `factor` (NaN, or a spike) inside this process; with
     `gradient_only`, only its gradient (the logged losses stay finite)."""
-    from trmoe.train.controls import TrainingControls
+    from trmoe.train.objective import Objective
+    from trmoe.train.scheduler import Scheduler
 
-    begin, loss = TrainingControls.begin_step, TrainingControls.loss
+    begin, loss = Scheduler.begin_step, Objective.loss
     seen = {"step": 0, "hit": set()}
 
-    def begin_step(self, step, optimizer):
+    def begin_step(self, step):
         seen["step"] = step
-        return begin(self, step, optimizer)
+        return begin(self, step)
 
     def faulty_loss(self, hidden, targets):
         sums = loss(self, hidden, targets)
@@ -58,8 +59,8 @@ def _inject(
             return type(sums)(sums.total * factor, sums.ce * factor, sums.z, sums.tokens)
         return sums
 
-    monkeypatch.setattr(TrainingControls, "begin_step", begin_step)
-    monkeypatch.setattr(TrainingControls, "loss", faulty_loss)
+    monkeypatch.setattr(Scheduler, "begin_step", begin_step)
+    monkeypatch.setattr(Objective, "loss", faulty_loss)
 
 
 GUARDED = [

@@ -21,12 +21,15 @@ RUN_LIFECYCLE = (
     "trmoe.run.lock",
     "trmoe.run.storage",
     "trmoe.run.signals",
+    "trmoe.run.cadence",
     "trmoe.report.runs",
     "trmoe.report.build",
 )
 # ... and what trains it.
 TRAINING_INTERNALS = (
-    "trmoe.train.controls",
+    "trmoe.train.objective",
+    "trmoe.train.scheduler",
+    "trmoe.train.prepare",
     "trmoe.optim.build",
     "trmoe.train.schedule",
     "trmoe.train.trainer",

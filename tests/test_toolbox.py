@@ -14,8 +14,8 @@ from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.run import status
-from trmoe.train.controls import TrainingControls
 from trmoe.train.loop import train
+from trmoe.train.objective import Objective
 
 FAST = [*FAST_CPU, "trainer.micro_batch=2", "trainer.log_every=2"]
 
@@ -66,8 +66,8 @@ def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread
 
 
 def test_a_guard_stop_without_checkpoints_saves_nothing_and_says_so(tmp_path, one_thread, monkeypatch):
-    real = TrainingControls.forward
-    monkeypatch.setattr(TrainingControls, "forward", lambda self, inputs: real(self, inputs) * float("nan"))
+    real = Objective.forward
+    monkeypatch.setattr(Objective, "forward", lambda self, inputs: real(self, inputs) * float("nan"))
     with pytest.raises(RunFailed, match=r"the last good state is not saved \(checkpoint.enabled=false\)"):
         train(compose_config(*FAST_CPU, "debug=fast", "guard.max_skips=1"), tmp_path / "r")
     assert list((tmp_path / "r" / "checkpoints").rglob("*")) == []
@@ -105,14 +105,14 @@ def test_debug_profile_writes_a_trace_and_the_top_ops(tmp_path, one_thread):
 @pytest.mark.filterwarnings("ignore:Error detected in")  # anomaly mode's warning with the forward's stack
 def test_debug_anomaly_names_the_op_of_a_nan_gradient(tmp_path, one_thread, monkeypatch):
     """A NaN made in the backward (injected from outside: sqrt at 0 has an infinite derivative, times 0)."""
-    real = TrainingControls.forward
+    real = Objective.forward
 
     def forward(self, inputs):
         hidden = real(self, inputs)
         zero = (hidden - hidden.detach()).sum() * 0
         return hidden + torch.sqrt(zero)
 
-    monkeypatch.setattr(TrainingControls, "forward", forward)
+    monkeypatch.setattr(Objective, "forward", forward)
     train(compose_config(*FAST, "trainer.steps=2", "guard.max_skips=5"), tmp_path / "skips")
     rows = metrics_rows(tmp_path / "skips")
     assert rows[-1]["skipped_steps"] == "2"  # without anomaly mode: skipped as non-finite, silently

@@ -291,16 +291,16 @@ def test_a_failed_run_with_the_progress_bar_leaves_no_log_handler_behind(tmp_pat
     import gc
     import logging
 
-    from trmoe.train.controls import TrainingControls
+    from trmoe.train.scheduler import Scheduler
 
-    real_begin = TrainingControls.begin_step
+    real_begin = Scheduler.begin_step
 
-    def failing(self, step, optimizer):
+    def failing(self, step):
         if step == 2:
             raise RuntimeError("a fault in step 2")
-        return real_begin(self, step, optimizer)
+        return real_begin(self, step)
 
-    monkeypatch.setattr(TrainingControls, "begin_step", failing)
+    monkeypatch.setattr(Scheduler, "begin_step", failing)
     with pytest.raises(RuntimeError, match="a fault in step 2"):
         train(compose_config(*FAST, "trainer.steps=3", "run.progress=bar"), tmp_path / "failed")
     gc.collect()  # a redirect left open restores its saved handlers when collected

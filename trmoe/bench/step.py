@@ -38,57 +38,66 @@ PARTS = ("data", "forward", "loss", "backward", "optimizer")
 
 
 class Arm:
-    """One configuration's training step, as the train loop runs it: autocast from hardware.precision, the
-    configured loss backend (loss.backend), optionally torch.compile."""
+    """One configuration's training step, run by the train loop's own parts: the model prepared as training
+    prepares it (trmoe.train.prepare, torch.compile optionally), the schedules applied (Scheduler), the
+    training objective (Objective: autocast from hardware.precision, the configured loss backend, a learned
+    router's losses, the diversity penalty), clipping and the optimizer step."""
 
     def __init__(self, overrides: list[str], device: torch.device, compile_model: bool):
         from trmoe.data.build import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
         from trmoe.optim.build import build_optimizer
-        from trmoe.train.controls import TrainingControls
+        from trmoe.train.objective import Objective
+        from trmoe.train.prepare import compiled, prepare_model
+        from trmoe.train.schedule import build_schedules
+        from trmoe.train.scheduler import Scheduler
 
         cfg, self.spec = compose_arm(overrides, compile_model)
-        self.overrides, self.device, self.compile, self.t, self.env = (
-            overrides,
-            device,
-            compile_model,
-            cfg.trainer,
-            env,
-        )
+        self.overrides, self.device, self.compile, self.t = overrides, device, compile_model, cfg.trainer
         env.configure(cfg.hardware, device)  # threads; TF32 on CUDA, as the train loop sets them
         torch.manual_seed(0)
         self.amp = env.autocast_dtype(cfg.hardware, device)
         self.model = TRMoETransformer(self.spec).to(device)
-        # as the train loop sets the model up: loss backend, torch.compile, sparse embedding gradient on CPU
-        controls = TrainingControls(cfg, self.model, device)
-        controls.set_train_module(self.model)
-        self.backend, self.loss_fn = controls.loss_backend, controls.loss_fn
-        self.forward = controls.train_model
+        schedules = build_schedules(cfg)
+        prepare_model(self.model, self.t, device, schedules)
+        self.objective = Objective(cfg, self.model, device, self.amp)
+        self.objective.train_model = compiled(self.model, self.t)
+        self.backend = self.objective.loss_backend
         self.params = count_parameters(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
+        self.scheduler = Scheduler(schedules, self.model, self.optimizer)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.data = build_data(cfg, self.spec.vocab_size)
         self.split: dict[str, list[float]] = {k: [] for k in PARTS}
 
     def step(self, index: int, record: bool) -> None:
-        t, device = self.t, self.device
+        t, device, objective = self.t, self.device, self.objective
+        values = self.scheduler.begin_step(min(index + 1, t.steps))
+        objective.begin_step(values["diversity"])
         marks = [time.perf_counter()]
         inputs, targets = self.data.train.batch(index * t.micro_batch, t.micro_batch)
         inputs, targets = inputs.to(device), targets.to(device)
         sync(device)
         marks.append(time.perf_counter())
-        with self.env.autocast(device, self.amp):
-            hidden = self.forward(inputs)
+        hidden = objective.forward(inputs)
         sync(device)
         marks.append(time.perf_counter())
         # the loss (with its head GEMMs) timed on its own: cut the graph at the final hidden states
         hidden_leaf = hidden.detach().requires_grad_()
-        sums = self.loss_fn(hidden_leaf, self.model.head_weight, targets)
+        sums = objective.loss(hidden_leaf, targets)
         (sums.total / targets.numel()).backward()
         sync(device)
         marks.append(time.perf_counter())
-        hidden.backward(hidden_leaf.grad)
+        # the rest of the objective (router losses, penalty) joins the backward through the model
+        terms = objective.terms(micro_batches=1, last=True)
+        if terms is None:
+            hidden.backward(hidden_leaf.grad)
+        else:
+            torch.autograd.backward([hidden, terms], [hidden_leaf.grad, torch.ones_like(terms)])
         sync(device)
         marks.append(time.perf_counter())
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grad_norm_(self.trainable, max_norm, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         sync(device)

@@ -16,8 +16,9 @@ rename) and are checkpoints beyond `keep_last` pruned, oldest first; the newest 
 checks every file against meta.json (size and CRC32) first, so a truncated or corrupted checkpoint is
 reported and the previous complete one is used instead (`newest_good`).
 
-The store owns its cadence (`due`): every `every_steps` steps and at the end; with checkpoint.enabled=false
-never, and `save` refuses: such a run cannot be resumed (a rerun starts again at step 0).
+The store owns its cadence (`due`, a trmoe.run.cadence.Cadence): every `every_steps` steps and the last
+step; with checkpoint.enabled=false never, and `save` refuses: such a run cannot be resumed (a rerun starts
+again at step 0).
 
 Distributed (world size > 1, or checkpoint.format=dcp): every rank calls `save` and `load`; model and
 optimizer go through torch.distributed.checkpoint (each rank writes its own part), each rank writes its own
@@ -49,6 +50,7 @@ import torch
 from trmoe.config.schema import CheckpointConfig
 from trmoe.durable import fsync_dir, write_file
 from trmoe.errors import UserError
+from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.rundir import CHECKPOINTS, RunDir
 
 log = logging.getLogger("trmoe")
@@ -296,8 +298,8 @@ class CheckpointStore:
 
     `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
     when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
-    the rename, `latest` and the pruning. `every_steps` and `enabled`: the save cadence (`due`, `maybe_save`;
-    every_steps=0 = only the final step and the saves a caller forces)."""
+    the rename, `latest` and the pruning. `every_steps`, `last_step` and `enabled`: the save cadence (`due`,
+    `maybe_save`; every_steps=0 = only the last step and the saves a caller forces)."""
 
     def __init__(
         self,
@@ -308,6 +310,7 @@ class CheckpointStore:
         rank: int = 0,
         world_size: int = 1,
         every_steps: int = 0,
+        last_step: int | None = None,
         enabled: bool = True,
     ):
         if format not in ("torch", "dcp"):
@@ -321,15 +324,23 @@ class CheckpointStore:
         self.world_size = world_size
         self.every_steps = every_steps
         self.enabled = enabled
+        self.cadence = (
+            Cadence(every_steps, at=() if last_step is None else (last_step,)) if enabled else NEVER
+        )
         self.last_saved: int | None = None  # the step this process saved last (maybe_save)
         self.last_failure = ""  # why the last save failed (for the run's one line)
 
     @classmethod
     def for_run(
-        cls, cfg: CheckpointConfig, run: RunDir, rank: int = 0, world_size: int = 1
+        cls,
+        cfg: CheckpointConfig,
+        run: RunDir,
+        rank: int = 0,
+        world_size: int = 1,
+        last_step: int | None = None,
     ) -> CheckpointStore:
-        """The store of a run directory as checkpoint.* configures it; format `auto` is resolved here, once:
-        dcp when distributed, torch otherwise."""
+        """The store of a run directory as checkpoint.* configures it (`last_step`: the run's trainer.steps,
+        always saved); format `auto` is resolved here, once: dcp when distributed, torch otherwise."""
         fmt = cfg.format.value
         if fmt == "auto":
             fmt = "dcp" if world_size > 1 else "torch"
@@ -344,15 +355,16 @@ class CheckpointStore:
             rank=rank,
             world_size=world_size,
             every_steps=cfg.every_steps,
+            last_step=last_step,
             enabled=cfg.enabled,
         )
 
     # -------------------------------------------------------------------------------------------- cadence
 
     def due(self, step: int, *, final: bool = False) -> bool:
-        """Whether step `step` is saved: every `every_steps` steps (0 = none) and when `final` (the last
-        step, a guard's stop, a stop signal); never when the store is disabled."""
-        return self.enabled and (final or (self.every_steps > 0 and step % self.every_steps == 0))
+        """Whether step `step` is saved: every `every_steps` steps (0 = none), the last step, and when
+        `final` (a guard's stop, a stop signal); never when the store is disabled."""
+        return self.enabled and (final or self.cadence.due(step))
 
     def maybe_save(
         self, step: int, state: Callable[[], dict[str, Any]], *, final: bool = False

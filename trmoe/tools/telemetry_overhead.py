@@ -22,27 +22,30 @@ from trmoe.bench.step import compose_arm
 from trmoe.data.build import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import build_optimizer
+from trmoe.run.cadence import Cadence
 from trmoe.runtime import env
-from trmoe.train.loss import chunked_tied_ce
-from trmoe.train.observe.telemetry import MoETelemetry
+from trmoe.train.objective import Objective
+from trmoe.train.observe.telemetry import TelemetryObserver
+from trmoe.train.prepare import prepare_model
+from trmoe.train.schedule import build_schedules
 
 
-def _step(model, optimizer, tel, inputs, targets, log: bool) -> None:
+def _step(objective: Objective, optimizer, params, inputs, targets, step: int, log: bool) -> None:
+    """The training step's parts (trmoe.train.trainer): the objective (telemetry recording when attached),
+    backward, telemetry's gradient norms at its cadence, clipping, the optimizer step; at a log step the
+    host sync and the collection."""
+    tel = objective.telemetry
+    loss, _ = objective(inputs, targets, targets.numel(), 1, True)
+    loss.backward()
     if tel is not None:
-        with tel.recording():
-            hidden = model(inputs)
-    else:
-        hidden = model(inputs)
-    sums = chunked_tied_ce(hidden, model.head_weight, targets)
-    (sums.total / sums.tokens).backward()
-    grad_sq = tel.grad_norms() if tel is not None and log else None
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        tel.before_clip(step)
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if log:
         norm.item()  # the loop's host sync of a log step
         if tel is not None:
-            tel.collect(0, grad_sq)
+            tel.collect(step)
 
 
 def measure(argv: list[str]) -> None:
@@ -62,27 +65,32 @@ def measure(argv: list[str]) -> None:
     t = cfg.trainer
     torch.manual_seed(t.seed)
     model = TRMoETransformer(spec).to(device)
+    prepare_model(model, t, device, build_schedules(cfg))
+    amp = env.autocast_dtype(cfg.hardware, device)
+    objective = Objective(cfg, model, device, amp)
     optimizer = build_optimizer(model, cfg.optimizer, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cadence = Cadence(args.log_every)
     times: dict[str, list[float]] = {"off": [], "on": []}
     step = 0
     while len(times["on"]) < args.steps:
         for name in ("off", "on"):
-            tel = MoETelemetry(model, device) if name == "on" else None
+            tel = objective.telemetry = TelemetryObserver(model, device, cadence) if name == "on" else None
             for i in range(args.block + 1):  # the first step of a block is a warm-up, not timed
                 inputs, targets = data.train.batch(step * t.micro_batch, t.micro_batch)
                 inputs, targets = inputs.to(device), targets.to(device)
-                log = step % args.log_every == 0
+                log = cadence.due(step)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                _step(model, optimizer, tel, inputs, targets, log=log)
+                _step(objective, optimizer, params, inputs, targets, step, log=log)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if i > 0:
                     times[name].append(time.perf_counter() - start)
                 step += 1
             if tel is not None:
-                tel.remove()
+                tel.close()
     if hasattr(data, "close"):
         data.close()
     tokens = t.micro_batch * t.seq_len

@@ -3,7 +3,9 @@
     the run's lock -> config -> device, model spec, ranks -> the launch decision (reads only) -> pre-flight
            checks (controls, trackers, downstream tasks) -> data (its identity checked against the run's)
            -> the memory check -> the launch's writes, status "running", logs
-           -> Trainer + the loop (trmoe.train.loop) -> status "finished" | "preempted" | "failed"
+           -> Trainer (builds, writes nothing) -> run_record.announce (log lines, run_config.json)
+           -> with the Trainer (its files open) the loop (trmoe.train.loop) -> status "finished" |
+              "preempted" | "failed"
 
 Nothing is written before every check has passed: a bad config, a run directory that must not be
 overwritten or continued, or data that differs from the checkpoint's raise UserError with the directory
@@ -29,10 +31,10 @@ from trmoe.run.checkpoint import CheckpointStore, read_pointer
 from trmoe.run.identity import config_container, derived_values, training_view
 from trmoe.run.rundir import RunDir
 from trmoe.runtime import distributed, env, parallel
-from trmoe.train import preflight, sizing
-from trmoe.train.controls import check_controls
+from trmoe.train import preflight, run_record, sizing
 from trmoe.train.observe import trackers
 from trmoe.train.observe.downstream import Downstream
+from trmoe.train.prepare import check_backends
 from trmoe.train.trainer import Trainer
 
 log = logging.getLogger("trmoe")
@@ -62,7 +64,7 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
     spec = model_spec(cfg)
     dist_env, device = distributed.init(device)  # torchrun / submitit ranks; shut down by the app
     rank = dist_env.rank
-    store = CheckpointStore.for_run(cfg.checkpoint, run, rank, dist_env.world_size)
+    store = CheckpointStore.for_run(cfg.checkpoint, run, rank, dist_env.world_size, cfg.trainer.steps)
     view = training_view(config_container(raw_cfg), derived_values(cfg, dist_env.world_size, amp_dtype), None)
     plan = launch.decide(cfg, view, run, store)  # reads only
     preflight.check(plan, cfg)
@@ -80,7 +82,7 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
             # that stopped the last step also saved it)
             status.write_status(run.path, status.FINISHED, final_eval_loss=plan.final_eval_loss)
         return plan.final_eval_loss
-    check_controls(cfg, device)  # loss backend and compile backend: before anything is written
+    check_backends(cfg, device)  # loss backend and compile backend: before anything is written
     trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
     downstream = Downstream(cfg)  # lm-eval and its tasks (downstream.tasks): before anything is written
     data = build_data(cfg, spec.vocab_size, device=device, world_size=dist_env.world_size)
@@ -104,13 +106,11 @@ def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) 
     if rank != 0:
         log_handler = records.attach_rank_log(run.path, rank, early)
     try:
-        with (
-            signals.StopSignals() as stop,
-            Trainer(
-                cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream
-            ) as trainer,
-        ):
-            final = loop(trainer, stop)
+        with signals.StopSignals() as stop:
+            trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream)
+            run_record.announce(trainer.facts(), cfg, raw_cfg)  # the opening log lines, run_config.json
+            with trainer:  # opens metrics.csv, telemetry.csv, the trackers, the profiler
+                final = loop(trainer, stop)
         if rank == 0:
             status.write_status(run.path, status.FINISHED, final_eval_loss=final)
         return final

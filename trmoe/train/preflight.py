@@ -1,7 +1,7 @@
 """Pre-flight checks of a resume that need the training internals (a meta-device model, the optimizer's
 groups, the schedules), run right after the launch decision and before anything is written. They live on
 the training side so that the run-lifecycle modules (launch, identity, rundir, checkpoint) do not import
-controls, optim or schedule.
+prepare, optim or schedule.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trmoe.optim.build import group_layout
 from trmoe.run.checkpoint import CheckpointError, CheckpointInfo, model_shapes
 from trmoe.run.identity import ABSENT
 from trmoe.run.launch import Launch
-from trmoe.train.controls import freeze_scheduled_gates
+from trmoe.train.prepare import freeze_scheduled_gates
 from trmoe.train.schedule import build_schedules, check_extension
 
 log = logging.getLogger("trmoe")

@@ -8,29 +8,49 @@ controls resolved to, and the history of the run's attempts (trmoe.run.launch).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.param_match import solve_match
+from trmoe.config.schema import Config
+from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import ParamCounts
 from trmoe.run import records
+from trmoe.run.launch import Launch
 from trmoe.runtime import env
-
-if TYPE_CHECKING:
-    from trmoe.train.trainer import Trainer
+from trmoe.runtime.distributed import DistEnv
 
 log = logging.getLogger("trmoe")
 
 
-def announce(trainer: Trainer, raw_cfg: DictConfig, params: ParamCounts) -> None:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the built run is, beyond its config: what `announce` says and records."""
+
+    launch: Launch
+    spec: ModelSpec
+    params: ParamCounts
+    dist: DistEnv  # this process's rank, the world size, who started the ranks
+    strategy: str  # none | ddp | fsdp (hardware.strategy resolved)
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    tokens_per_step: int
+    checkpoints: bool  # checkpoint.enabled
+    data: dict[str, Any]  # the data's identity (DataPipeline.info)
+    metrics_columns: tuple[str, ...]
+    controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
+
+
+def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
     """The run's opening log lines and run_config.json (rank 0)."""
-    cfg, t, spec, launch = trainer.cfg, trainer.t, trainer.model.spec, trainer.launch
-    world = trainer.dist.world_size
-    tokens_per_step = trainer.state.tokens_per_step
-    log.info("run directory: %s", trainer.run.path)
+    t, spec, launch, params, run = cfg.trainer, facts.spec, facts.launch, facts.params, facts.launch.run
+    world, tokens_per_step = facts.dist.world_size, facts.tokens_per_step
+    log.info("run directory: %s", run.path)
     if world > 1:
-        log.info("%d ranks (%s), strategy %s", world, trainer.dist.source, trainer.parallelism)
+        log.info("%d ranks (%s), strategy %s", world, facts.dist.source, facts.strategy)
     if launch.mode != "fresh":
         source = launch.checkpoint.path if launch.checkpoint else "no checkpoint"
         log.info("=== %s from step %d (%s) ===", launch.mode, launch.start_step, source)
@@ -53,7 +73,7 @@ def announce(trainer: Trainer, raw_cfg: DictConfig, params: ParamCounts) -> None
     )
     total = f"{tokens_per_step * t.steps:,}"
     log.info("tokens per step %s, steps %d, total %s tokens", f"{tokens_per_step:,}", t.steps, total)
-    if not trainer.store.enabled:
+    if not facts.checkpoints:
         log.warning(
             "checkpoint.enabled=false: no checkpoint is written; this run cannot be resumed (a rerun "
             "starts again at step 0)"
@@ -61,26 +81,26 @@ def announce(trainer: Trainer, raw_cfg: DictConfig, params: ParamCounts) -> None
     match = solve_match(cfg)
     if match is not None:
         log.info("parameter match: %s", match.describe())
-    if trainer.dist.rank != 0:
+    if facts.dist.rank != 0:
         return
-    git, backend = env.git_commit(), env.backend_metadata(trainer.device, trainer.amp_dtype)
+    git, backend = env.git_commit(), env.backend_metadata(facts.device, facts.amp_dtype)
     records.write_run_config(
-        trainer.run.path,
+        run.path,
         {
-            "run_name": trainer.run.name,
-            "run_dir": str(trainer.run.path.resolve()),
+            "run_name": run.name,
+            "run_dir": str(run.path.resolve()),
             "config": OmegaConf.to_container(raw_cfg, resolve=True),
             "model_spec": spec.to_dict(),
             "params": params.to_dict(),
             "git": git,
             "world_size": world,
-            "strategy": trainer.parallelism,  # none | ddp | fsdp (hardware.strategy resolved)
+            "strategy": facts.strategy,  # none | ddp | fsdp (hardware.strategy resolved)
             "backend": backend,
             "tokens_per_step": tokens_per_step,
             "total_tokens": tokens_per_step * t.steps,
-            "data": trainer.data.info,
-            "metrics_columns": list(trainer.columns),
-            "controls": trainer.controls.record(trainer.optimizer),  # loss backend, groups, schedules
+            "data": facts.data,
+            "metrics_columns": list(facts.metrics_columns),
+            "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),

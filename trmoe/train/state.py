@@ -1,21 +1,77 @@
-"""The Trainer's small stateful components without a module of their own: the random generators and the
-run's progress (step, training time, last held-out loss). Each has `state_dict`/`load_state_dict`, like the
-model, the optimizer, the data, the guard, the metrics window and the telemetry."""
+"""The registry of a run's stateful components (`Components`: a checkpoint's rank-local state), and the
+small ones without a module of their own: the random generators and the run's progress (step, training
+time, last held-out loss). Each has `state_dict`/`load_state_dict`, like the data, the guard, the metrics
+window and the telemetry."""
 
 from __future__ import annotations
 
 import logging
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from trmoe.run.checkpoint import CheckpointError
 from trmoe.runtime.env import mps_available
 
 log = logging.getLogger("trmoe")
+
+
+@dataclass
+class _Entry:
+    name: str
+    component: Any
+    flat: bool
+    last: bool
+
+
+class Components:
+    """The named stateful components of a checkpoint's rank-local state (rank_XXXXX.pt): `state_dict()` is
+    {"version": ..., name: component.state_dict() for each in registration order}; a `flat` component's
+    keys sit at the top level instead (older checkpoints were written so), and it loads from the whole
+    dictionary. A component registered as None saves None. `load_state_dict` gives each its part back in
+    registration order, the `last` ones after the rest (the RNG: nothing after it may draw); a part that is
+    missing or None leaves its component as it is (a checkpoint older than the component)."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self._entries: list[_Entry] = []
+
+    def register(self, name: str, component: Any, *, flat: bool = False, last: bool = False) -> None:
+        if any(e.name == name for e in self._entries):
+            raise ValueError(f"component {name!r} is registered already")
+        self._entries.append(_Entry(name, component, flat, last))
+
+    def names(self) -> list[str]:
+        return [e.name for e in self._entries]
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"version": self.version}
+        for e in self._entries:
+            part = None if e.component is None else e.component.state_dict()
+            if e.flat:
+                state.update(part)
+            else:
+                state[e.name] = part
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, skip: Collection[str] = ()) -> None:
+        """Raises CheckpointError for another version; `skip`: names left as they are."""
+        if state.get("version") != self.version:
+            raise CheckpointError(
+                f"train state version {state.get('version')}; this trmoe reads {self.version}"
+            )
+        entries = [e for e in self._entries if not e.last] + [e for e in self._entries if e.last]
+        for e in entries:
+            if e.name in skip or e.component is None:
+                continue
+            part = state if e.flat else state.get(e.name)
+            if part is not None:
+                e.component.load_state_dict(part)
 
 
 class RNG:

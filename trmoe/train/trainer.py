@@ -1,27 +1,27 @@
 """The Trainer: one run's stateful components and what the loop does with them (trmoe.train.loop calls it).
 
-Components (attributes, each owning its state):
+Components (attributes, each owning its state and, where it has one, its cadence):
 
     model, optimizer          saved by the CheckpointStore (model_optim.pt, or DCP files per rank)
-    controls                  schedules, loss backend, penalty, compile (TrainingControls)
-    telemetry                 expert telemetry and its open window (MoETelemetry; None when off)
+    scheduler                 the per-step schedules applied: LR, p, gates, lambda (Scheduler)
+    objective                 forward, loss backend, router losses, diversity penalty (Objective)
+    telemetry                 expert telemetry, an observer with its open window (TelemetryObserver; None off)
     data                      the data pipeline and its cursor
     guard                     non-finite / spike guard (StepGuard)
     window                    the metrics window behind the next metrics.csv row (MetricsWindow)
     rng                       every random generator (RNG)
     state                     step, training time, last held-out loss (TrainState)
     evaluators                held-out loss, downstream tasks: columns on their own cadence (evaluation.py)
-    output                    where rows go: metrics.csv, the trackers, the console display (RunOutput)
+    output                    where rows go: metrics.csv, telemetry.csv, trackers, the display (RunOutput)
     store                     the checkpoints and their cadence (CheckpointStore)
     efficiency                the mfu and peak_mem_gib columns (meters.EfficiencyMeter)
     profiler                  torch.profiler over a few steps (debug=profile)
 
-The Trainer is a context manager: leaving it closes the run's files, the trackers (told the run's outcome)
-and the profiler, however the run ends.
+Building a Trainer writes nothing; entering it (a context manager) opens the run's files, the trackers and
+the profiler, and leaving it closes them (the trackers told the run's outcome), however the run ends.
 
-A checkpoint is the model and optimizer plus `state_dict()`: the dictionary of the other components' states
-(one rank_XXXXX.pt per rank); `load_state_dict` gives each its part back, the RNG last. Extension points
-are in docs/architecture.md.
+A checkpoint is the model and optimizer plus `state_dict()`: the registry of the other components' states
+(`components`, one rank_XXXXX.pt per rank). Extension points are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -43,21 +43,25 @@ from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.optim.build import build_optimizer
 from trmoe.run import records, signals
-from trmoe.run.checkpoint import CheckpointError, CheckpointStore
+from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
-from trmoe.run.rundir import RunDir
+from trmoe.run.rundir import TELEMETRY, RunDir
 from trmoe.runtime import env, parallel
 from trmoe.runtime.distributed import DistEnv, no_sync
 from trmoe.train import guards
-from trmoe.train.controls import TrainingControls, is_log_step
+from trmoe.train.objective import Objective
 from trmoe.train.observe import meters
 from trmoe.train.observe.downstream import Downstream
 from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss, ppl
 from trmoe.train.observe.metrics import MetricsWindow
-from trmoe.train.observe.output import RunOutput
+from trmoe.train.observe.output import RunOutput, log_cadence
 from trmoe.train.observe.profiling import StepProfiler
-from trmoe.train.run_record import announce
-from trmoe.train.state import RNG, TrainState
+from trmoe.train.observe.telemetry import TelemetryObserver
+from trmoe.train.prepare import compiled, prepare_model
+from trmoe.train.run_record import RunFacts
+from trmoe.train.schedule import build_schedules
+from trmoe.train.scheduler import Scheduler
+from trmoe.train.state import RNG, Components, TrainState
 
 log = logging.getLogger("trmoe")
 
@@ -78,63 +82,104 @@ class Trainer:
         spec: ModelSpec,
         downstream: Downstream,
     ):
+        t = self.t = cfg.trainer
+        self.cfg, self.raw_cfg, self.launch, self.store, self.data = cfg, raw_cfg, launch, store, data
+        self.run: RunDir = launch.run
+        self.device, self.amp_dtype, self.dist = device, amp_dtype, dist_env
+        env.configure(cfg.hardware, device)
+        env.seed_everything(t.seed)
+        self.model = model = TRMoETransformer(spec).to(device)  # same seed on every rank: same weights
+        self.parallelism = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
+        # FSDP shards in place, before the optimizer sees the parameters; the ones it leaves unsharded
+        # (scalar gates) have their gradients averaged here
+        self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
+        schedules = build_schedules(cfg)
+        prepare_model(model, t, device, schedules)  # before the optimizer: scheduled gates are not learned
+        self.log_cadence = log_cadence(t)  # the metrics rows (and whenever an evaluator is due)
+        self.telemetry = (
+            TelemetryObserver(model, device, self.log_cadence, dist_env.rank) if cfg.telemetry.moe else None
+        )
+        self.objective = Objective(cfg, model, device, amp_dtype, self.telemetry)
+        self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
+        # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
+        self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
+        self.objective.train_model = compiled(self.ddp if self.ddp is not None else model, t)
+        self.scheduler = Scheduler(schedules, model, self.optimizer)
+        downstream.attach(model, device, amp_dtype)  # the plain module, not the DDP or compiled wrapper
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        world = dist_env.world_size
+        self.state = TrainState(global_batch_tokens(t, world), global_batch_samples(t, world))
+        self.window = MetricsWindow(device)  # running sums between rows stay on the device
+        self.guard = guards.StepGuard(cfg.guard)
+        self.rng = RNG()
+        self.components = Components(STATE_VERSION)  # a checkpoint's rank-local state, in this order
+        self.components.register("state", self.state, flat=True)  # step, tokens, next_sample, ...
+        self.components.register("data", data)
+        self.components.register("rng", self.rng, last=True)  # loaded last: nothing after it may draw
+        self.components.register("window", self.window, flat=True)  # window, window_totals
+        self.components.register("telemetry", self.telemetry)  # its open window, summed over ranks
+        self.components.register("guard", self.guard)
+        self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
+        # metrics.csv's columns: the fixed ones, then the evaluators' own (per-source losses, accuracies)
+        self.columns = (*records.METRIC_COLUMNS, *(name for e in self.evaluators for name in e.names))
+        self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
+        self.param_counts = count_parameters(model)
         self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
         self._outcome: BaseException | None = None  # how the run ended, for the trackers
+        self._clock = time.perf_counter()
+        self._grad_norm = torch.zeros((), device=device)
+
+    def facts(self) -> RunFacts:
+        """What run_record.announce says and records about this run."""
+        return RunFacts(
+            launch=self.launch,
+            spec=self.model.spec,
+            params=self.param_counts,
+            dist=self.dist,
+            strategy=self.parallelism,
+            device=self.device,
+            amp_dtype=self.amp_dtype,
+            tokens_per_step=self.state.tokens_per_step,
+            checkpoints=self.store.enabled,
+            data=self.data.info,
+            metrics_columns=self.columns,
+            controls={
+                "loss_backend": self.objective.loss_backend.value,
+                **self.scheduler.record(),  # optimizer groups, schedules
+                "compile": {"enabled": self.t.compile, "backend": self.t.compile_backend},
+                "telemetry_file": TELEMETRY if self.telemetry is not None else None,
+            },
+        )
+
+    def __enter__(self) -> Trainer:
+        """Open the run's output (metrics.csv, telemetry.csv, the trackers, the display), the MFU meter, the
+        profiler and anomaly mode."""
+        cfg = self.cfg
         try:
-            t = self.t = cfg.trainer
-            self.cfg, self.launch, self.store, self.data = cfg, launch, store, data
-            self.run: RunDir = launch.run
-            self.device, self.amp_dtype, self.dist = device, amp_dtype, dist_env
-            env.configure(cfg.hardware, device)
-            env.seed_everything(t.seed)
-            self.model = model = TRMoETransformer(spec).to(device)  # same seed on every rank: same weights
-            self.parallelism = parallel.resolve_strategy(cfg.hardware.strategy, dist_env)
-            # FSDP shards in place, before the optimizer sees the parameters; the ones it leaves unsharded
-            # (scalar gates) have their gradients averaged here
-            self.replicated = parallel.shard_fsdp(model, amp_dtype) if self.parallelism == "fsdp" else []
-            self.controls = TrainingControls(cfg, model, device)  # before the optimizer: scheduled gates
-            self.telemetry = self.controls.telemetry  # expert telemetry (telemetry.moe; None when off)
-            self.optimizer = build_optimizer(model, cfg.optimizer, device, seed=t.seed)
-            # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
-            self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
-            self.controls.set_train_module(self.ddp if self.ddp is not None else model)
-            downstream.attach(model, device, amp_dtype)  # the plain module, not the DDP or compiled wrapper
-            self.params = [p for p in model.parameters() if p.requires_grad]
-            world = dist_env.world_size
-            self.state = TrainState(global_batch_tokens(t, world), global_batch_samples(t, world))
-            self.window = MetricsWindow(device)  # running sums between rows stay on the device
-            self.guard = guards.StepGuard(cfg.guard)
-            self.rng = RNG()
-            self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
-            # metrics.csv's columns: the fixed ones, then the evaluators' own (per-source losses, accuracies)
-            self.columns = (*records.METRIC_COLUMNS, *(name for e in self.evaluators for name in e.names))
-            self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
-            params = count_parameters(model)
-            announce(self, raw_cfg, params)  # the opening log lines and run_config.json
             self.output = RunOutput(
                 cfg,
-                launch,
-                rank=dist_env.rank,
+                self.launch,
+                rank=self.dist.rank,
                 columns=self.columns,
                 config_hash=self.identity["config_hash"],
-                config=OmegaConf.to_container(raw_cfg, resolve=True),
+                config=OmegaConf.to_container(self.raw_cfg, resolve=True),
+                telemetry_experts=None if self.telemetry is None else self.telemetry.num_experts,
             )
             self._cleanup.callback(lambda: self.output.close(self._outcome))
-            self.controls.attach(self.optimizer, self.run.telemetry if dist_env.rank == 0 else None)
             self.efficiency = meters.EfficiencyMeter(
-                device,
-                flops_per_token(spec, params, t.seq_len),
-                *meters.peak_flops(device, amp_dtype, cfg.hardware.peak_tflops),
+                self.device,
+                flops_per_token(self.model.spec, self.param_counts, self.t.seq_len),
+                *meters.peak_flops(self.device, self.amp_dtype, cfg.hardware.peak_tflops),
             )
-            self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, device))
+            self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, self.device))
             if cfg.debug.anomaly:
                 self._cleanup.enter_context(torch.autograd.set_detect_anomaly(True))
-            self._clock = time.perf_counter()
-            self._grad_norm = torch.zeros((), device=device)
         except BaseException as e:  # close what was opened before a component failed
             self._outcome = e
             self._cleanup.close()
             raise
+        self._clock = time.perf_counter()
+        return self
 
     @property
     def step(self) -> int:
@@ -143,48 +188,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------ components' state
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint besides model and optimizer (collective: the window's and the
-        telemetry's totals are sums over ranks)."""
-        telemetry = self.telemetry
-        return {
-            "version": STATE_VERSION,
-            **self.state.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": self.rng.state_dict(),
-            **self.window.state_dict(),  # "window" and "window_totals"
-            "telemetry": telemetry.state_dict() if telemetry is not None else None,
-            "guard": self.guard.state_dict(),
-        }
+        """This rank's part of a checkpoint besides model and optimizer: the registered components' states
+        (collective: the window's and the telemetry's totals are sums over ranks)."""
+        return self.components.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, load_data: bool = True) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise CheckpointError(
-                f"train state version {state.get('version')}; this trmoe reads {STATE_VERSION}"
-            )
-        self.state.load_state_dict(state)
-        if load_data and state.get("data") is not None:
-            self.data.load_state_dict(state["data"])
-        self.window.load_state_dict(state)
-        self.guard.load_state_dict(state["guard"])
-        telemetry = self.telemetry
-        if telemetry is not None and state.get("telemetry") is not None:  # on then and now: its open window
-            telemetry.load_state_dict(state["telemetry"], self.dist.rank)
-        self.rng.load_state_dict(state["rng"])  # last: nothing after it may draw
+        self.components.load_state_dict(state, skip=() if load_data else ("data",))
 
     def _checkpoint(self) -> dict[str, Any]:
         """CheckpointStore.save's arguments for the current step."""
-        meta = {
-            "tokens": self.state.tokens,
-            "eval_loss": self.state.eval_loss,
-            "metrics": self.output.metrics.sync(),
-            **self.identity,
-        }
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "local_state": self.state_dict(),
-            "meta": meta,
-        }
+        state, metrics = self.state, self.output.metrics.sync()
+        meta = {"tokens": state.tokens, "eval_loss": state.eval_loss, "metrics": metrics, **self.identity}
+        return dict(model=self.model, optimizer=self.optimizer, local_state=self.state_dict(), meta=meta)
 
     # ------------------------------------------------------------------------------------------- the run
 
@@ -211,7 +226,8 @@ class Trainer:
         """Forward, backward, clip and (per the guard's verdict) the optimizer step of `step`."""
         t, device, world = self.t, self.device, self.dist.world_size
         self.state.step = step
-        self.controls.begin_step(step, self.optimizer)  # LR, p, gates, lambda: pure functions of the step
+        values = self.scheduler.begin_step(step)  # LR, p, gates, lambda: pure functions of the step
+        self.objective.begin_step(values["diversity"])
         batch_step = 1 if self.cfg.debug.overfit else step  # debug.overfit: the first batch at every step
         micro_batches = [
             self.data.train.batch(first, count)
@@ -228,13 +244,14 @@ class Trainer:
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = a == len(micro_batches) - 1
             with no_sync(self.ddp, sync=last) if self.ddp is not None else contextlib.nullcontext():
-                objective, sums = self._objective(inputs, targets, step_tokens, len(micro_batches), last)
+                objective, sums = self.objective(inputs, targets, step_tokens, len(micro_batches), last)
                 objective.backward()
             step_ce += sums.ce.to(sums_dtype)
             step_obj += sums.total.detach().to(sums_dtype)
             del objective, sums  # the loss's stored dh / dW (4·V·H bytes) must not outlive the step
         parallel.average_gradients(self.replicated)
-        self.controls.before_clip(is_log_step(step, self.cfg))
+        if self.telemetry is not None:
+            self.telemetry.before_clip(step)  # the gradient norms of a logged step
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         self._grad_norm = grad_norm = parallel.full(grad_norm)  # FSDP: a DTensor norm, the same everywhere
@@ -251,18 +268,6 @@ class Trainer:
         self.output.progress.step()
         self.profiler.step()
         return verdict
-
-    def _objective(self, inputs, targets, step_tokens: int, micro_batches: int, last: bool):
-        """The objective of one micro-batch, and its loss sums. Normalised by the tokens of the whole
-        accumulated batch: accumulation equals one larger batch (and every rank has as many tokens, so
-        DDP's gradient mean is the global batch's). Loss terms join here: a learned router's auxiliary
-        losses on every micro-batch, the penalty once per step, on the last one."""
-        with env.autocast(self.device, self.amp_dtype):
-            hidden = self.controls.forward(inputs)
-        sums = self.controls.loss(hidden, targets)
-        objective = self.controls.with_router_loss(sums.total / step_tokens, micro_batches)
-        penalty = self.controls.penalty() if last else None
-        return (objective if penalty is None else objective + penalty), sums
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The columns of every evaluator due at `step`; a held-out loss becomes the run's last eval_loss."""
@@ -281,11 +286,11 @@ class Trainer:
         self._clock = now
 
     def maybe_log(self, step: int) -> None:
-        """The metrics row of a log step (1, every log_every, the last, a halt, and every step an evaluator is
-        due at), with those evaluations; evaluation and logging are not training time."""
+        """The metrics row of a log step (its cadence, a halt, and every step an evaluator is due at), with
+        those evaluations and telemetry's rows; evaluation and logging are not training time."""
         t = self.t
         halt = self.guard.too_many_skips
-        if not (is_log_step(step, self.cfg) or halt or any(e.due(step) for e in self.evaluators)):
+        if not (self.log_cadence.due(step) or halt or any(e.due(step) for e in self.evaluators)):
             self._tick()
             return
         train_ce, train_objective = self.window.means()  # the window's host sync (and all-reduce)
@@ -302,19 +307,24 @@ class Trainer:
             "skipped_steps": self.guard.skipped,
             "loss_spikes": self.guard.spikes,
         }
-        row.update(self.controls.log_columns(step))  # per-group LRs, gates, p, lambda, telemetry
+        row.update(self.scheduler.columns())  # per-group LRs, gates, p, lambda
+        row.update(self.objective.columns())  # the penalty, the router's losses
+        layers = None
+        if self.telemetry is not None:
+            aggregate, layers = self.telemetry.collect(step)
+            row.update(aggregate)
         row.update(self.efficiency.columns(row["tok_s"] / self.dist.world_size))  # MFU, peak memory
         row.update(self.evaluate(step))
         eta_s = (t.steps - step) * self.state.train_time / step
-        self.output.write(row, layers=self.controls.layer_rows, eta_s=eta_s)  # telemetry.csv's rows too
+        self.output.write(row, layers=layers, eta_s=eta_s)  # telemetry.csv's rows too
         self.window.reset()
         self._clock = time.perf_counter()
 
     def maybe_save(self, step: int) -> None:
-        """The store's cadence, plus the final step and a halt, whose checkpoint must be written."""
-        final = step == self.t.steps or self.guard.too_many_skips
-        saved = self.store.maybe_save(step, self._checkpoint, final=final)
-        if saved is False and final:
+        """The store's cadence (the last step included), plus a halt; those two must be written."""
+        halt = self.guard.too_many_skips
+        saved = self.store.maybe_save(step, self._checkpoint, final=halt)
+        if saved is False and (halt or step == self.t.steps):
             raise RunFailed(
                 f"step {step}: the final checkpoint could not be written: {self.store.last_failure}"
             )
@@ -338,20 +348,14 @@ class Trainer:
         carry = guard.rollback_carry(step)
         state = self.store.load(target, model=self.model, optimizer=self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.controls.rewind(target.step)
+        if self.telemetry is not None:
+            self.telemetry.rewind()  # an empty window, should the checkpoint hold none
         self.load_state_dict(state, load_data=True)
         guard.apply_carry(carry)
         self.output.rewind(target.step)
         self.store.last_saved = target.step
-        log.warning(
-            "step %d: %s; rolled back to %s: steps %d..%d are recomputed, batch %d is skipped",
-            step,
-            reason,
-            target.path.name,
-            target.step + 1,
-            step - 1,
-            step,
-        )
+        recomputed = f"steps {target.step + 1}..{step - 1} are recomputed, batch {step} is skipped"
+        log.warning("step %d: %s; rolled back to %s: %s", step, reason, target.path.name, recomputed)
         # the same state again, now with the skipped batch in its train state: a kill before the next
         # checkpoint resumes from it and skips that batch too, as the uninterrupted run does
         if not self.store.try_save(target.step, self._checkpoint):
@@ -361,11 +365,8 @@ class Trainer:
         """A stop signal every rank agreed on: checkpoint this step (unless it just was, or checkpoints are
         off), close the run's files, raise Preempted."""
         store = self.store
-        if (
-            store.due(step, final=True)
-            and store.last_saved != step
-            and not store.try_save(step, self._checkpoint)
-        ):
+        due = store.due(step, final=True) and store.last_saved != step
+        if due and not store.try_save(step, self._checkpoint):
             raise RunFailed(
                 f"step {step}: stop signal, but the checkpoint could not be written: {store.last_failure}"
             )
@@ -377,18 +378,15 @@ class Trainer:
 
     def finish(self) -> float:
         self._close_files()
-        log.info(
-            "done: final eval loss %.4f (ppl %.2f), %s tokens in %.1f s",
-            self.state.eval_loss,
-            ppl(self.state.eval_loss),
-            f"{self.t.steps * self.state.tokens_per_step:,}",
-            self.state.train_time,
-        )
-        return self.state.eval_loss
+        s = self.state
+        done = f"{s.eval_loss:.4f} (ppl {ppl(s.eval_loss):.2f}), {self.t.steps * s.tokens_per_step:,} tokens"
+        log.info("done: final eval loss %s in %.1f s", done, s.train_time)
+        return s.eval_loss
 
     def _close_files(self) -> None:
         self.output.close_files()
-        self.controls.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def close(self, outcome: BaseException | None = None) -> None:
         """Close the run's files and display, then the trackers (told `outcome`: finished, preempted or
@@ -396,9 +394,6 @@ class Trainer:
         self._outcome = outcome
         self._close_files()
         self._cleanup.close()
-
-    def __enter__(self) -> Trainer:
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)

@@ -18,8 +18,9 @@ import time
 import numpy as np
 import torch
 
-from trmoe.config.schema import Config
+from trmoe.config.schema import Config, TrainerConfig
 from trmoe.errors import UserError
+from trmoe.run.cadence import NEVER, Cadence
 
 log = logging.getLogger("trmoe")
 
@@ -39,6 +40,11 @@ def _rng_untouched(device: torch.device):
             np.random.set_state(np_state)
 
 
+def downstream_cadence(t: TrainerConfig, every: int | None) -> Cadence:
+    """Steps 0, every `downstream.every` (None: trainer.eval_every) and the last."""
+    return Cadence(t.eval_every if every is None else every, at=(0, t.steps))
+
+
 class Downstream:
     """Constructed once, before anything is written (so an unknown task, a task whose data is not on this
     machine, or a missing lm-eval is one line, exit 2); `names` are its metrics.csv columns, `due(step)`
@@ -48,8 +54,7 @@ class Downstream:
         ds = cfg.downstream
         self.tasks = list(ds.tasks)
         self.limit, self.include_path, self.batch_size = ds.limit, ds.include_path, ds.batch_size
-        self.every = cfg.trainer.eval_every if ds.every is None else ds.every
-        self.last = cfg.trainer.steps
+        self.cadence = downstream_cadence(cfg.trainer, ds.every) if self.tasks else NEVER
         self.names: tuple[str, ...] = ()
         self._metrics: dict[str, list[str]] = {}
         self._model = None
@@ -79,7 +84,7 @@ class Downstream:
             self._model, self._device, self._amp_dtype = model, device, amp_dtype
 
     def due(self, step: int) -> bool:
-        return bool(self.tasks) and (step in (0, self.last) or (self.every > 0 and step % self.every == 0))
+        return self.cadence.due(step)
 
     def columns(self, step: int) -> dict[str, float]:
         """acc/<task> and acc_norm/<task> at `step` (nothing when it is not due): an evaluator

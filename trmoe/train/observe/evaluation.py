@@ -1,10 +1,11 @@
 """Evaluators: components that measure the model and return metrics columns.
 
 An evaluator has `names` (the metrics.csv columns it adds beyond records.METRIC_COLUMNS), `due(step)` (its
-own cadence) and `columns(step) -> dict[str, float]`. `Trainer.evaluate(step)` merges the columns of every
-evaluator due at that step, in the order of `Trainer.evaluators`, into the metrics row; a step at which any
-evaluator is due writes a row. `HeldOutLoss` is the one every run has (with a data mixture, each source's
-loss too); `trmoe.train.observe.downstream.Downstream` (lm-eval tasks) is the other.
+own cadence: a trmoe.run.cadence.Cadence) and `columns(step) -> dict[str, float]`. `Trainer.evaluate(step)`
+merges the columns of every evaluator due at that step, in the order of `Trainer.evaluators`, into the
+metrics row; a step at which any evaluator is due writes a row. `HeldOutLoss` is the one every run has
+(with a data mixture, each source's loss too); `trmoe.train.observe.downstream.Downstream` (lm-eval tasks)
+is the other.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Protocol
 
 import torch
 
-from trmoe.config.schema import Config
+from trmoe.config.schema import Config, TrainerConfig
 from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import Batch, DataPipeline
 from trmoe.model.transformer import TRMoETransformer
+from trmoe.run.cadence import Cadence
 from trmoe.runtime import env
 from trmoe.train.loss import chunked_tied_ce
 
@@ -28,6 +30,11 @@ class Evaluator(Protocol):
     def due(self, step: int) -> bool: ...
 
     def columns(self, step: int) -> dict[str, float]: ...
+
+
+def held_out_cadence(t: TrainerConfig) -> Cadence:
+    """The held-out evaluation's steps: 0, every trainer.eval_every and the last."""
+    return Cadence(t.eval_every, at=(0, t.steps))
 
 
 def ppl(loss: float) -> float:
@@ -68,10 +75,10 @@ class HeldOutLoss:
     ):
         self.model, self.data, self.cfg, self.device, self.amp_dtype = model, data, cfg, device, amp_dtype
         self.names = tuple(data.metric_columns)
+        self.cadence = held_out_cadence(cfg.trainer)
 
     def due(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return step in (0, t.steps) or (t.eval_every > 0 and step % t.eval_every == 0)
+        return self.cadence.due(step)
 
     def _loss(self, batches: list[Batch]) -> float:
         return evaluate(self.model, batches, self.cfg, self.device, self.amp_dtype)

@@ -1,4 +1,5 @@
-"""Where a run's metrics rows go: metrics.csv, the experiment trackers and the console display.
+"""Where a run's rows go: metrics.csv, telemetry.csv (telemetry.moe's per-layer rows of the same step), the
+experiment trackers and the console display.
 
 One component, so that a row reaches all of them at once. Rank 0 writes; the ranks > 0 of a distributed run
 compute the same rows (their reductions are collective) and write nothing. A rollback rewinds metrics.csv; the
@@ -9,18 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from trmoe.config.schema import Config, LoggerConfig, Progress
+from trmoe.config.schema import Config, LoggerConfig, Progress, TrainerConfig
 from trmoe.run import records
+from trmoe.run.cadence import Cadence
 from trmoe.run.launch import Launch
 from trmoe.run.rundir import RunDir
 from trmoe.train.observe import trackers
+from trmoe.train.observe.evaluation import held_out_cadence
 from trmoe.train.observe.metrics import NullMetrics
 from trmoe.train.observe.progress import ProgressReporter
+from trmoe.train.observe.telemetry import telemetry_columns
+
+
+def log_cadence(t: TrainerConfig) -> Cadence:
+    """The steps that write a metrics row (and telemetry's gradient norms): 1, every trainer.log_every,
+    the held-out evaluation's steps and the last. A step at which any evaluator is due, or a guard halts
+    the run, writes one too."""
+    return Cadence(t.log_every, at=(1, t.steps)) | held_out_cadence(t)
 
 
 class RunOutput:
-    """`write(row)` sends a metrics row to metrics.csv (`columns`), the trackers (`logger.*`) and, with
-    `eta_s`, the progress display. A resumed run appends to its metrics.csv and continues its tracker runs
+    """`write(row, layers)` sends a metrics row to metrics.csv (`columns`), its telemetry rows (`layers`) to
+    telemetry.csv (when `telemetry_experts` is given), both to the trackers (`logger.*`) and, with `eta_s`,
+    the row to the progress display. A resumed run appends to its metrics.csv and continues its tracker runs
     after the checkpoint's step; a restart (killed before its first checkpoint) logs again from step 0."""
 
     def __init__(
@@ -32,6 +44,7 @@ class RunOutput:
         columns: tuple[str, ...],
         config_hash: str,
         config: dict[str, Any],
+        telemetry_experts: int | None = None,
     ):
         main, run = rank == 0, launch.run
         self.total_steps = cfg.trainer.steps
@@ -45,6 +58,11 @@ class RunOutput:
             )
             if main
             else NullMetrics()
+        )
+        self.telemetry = (
+            records.StepCsv.continuing(run.telemetry, telemetry_columns(telemetry_experts))
+            if main and telemetry_experts is not None
+            else None
         )
         self.progress = ProgressReporter(
             cfg.run.progress if main else Progress.log, self.total_steps, start_step=launch.start_step
@@ -60,20 +78,27 @@ class RunOutput:
     def write(
         self, row: dict[str, Any], layers: list[dict[str, Any]] | None = None, eta_s: float | None = None
     ) -> None:
-        """A metrics row, with the telemetry.csv rows of the same step (`layers`) for the trackers."""
+        """A metrics row, with the telemetry.csv rows of the same step (`layers`)."""
+        if layers and self.telemetry is not None:
+            self.telemetry.write_rows(layers)
         self.metrics.write(row)
         self.trackers.log(row, layers=layers)
         if eta_s is not None:
             self.progress.report(row, self.total_steps, eta_s=eta_s)
 
     def rewind(self, step: int) -> None:
-        """metrics.csv back to its rows up to `step` (a rollback to that step's checkpoint)."""
+        """metrics.csv and telemetry.csv back to their rows up to `step` (a rollback to that step's
+        checkpoint)."""
         self.metrics.rewind(step)
+        if self.telemetry is not None:
+            self.telemetry.rewind(step)
 
     def close_files(self) -> None:
-        """metrics.csv and the display (idempotent)."""
+        """metrics.csv, telemetry.csv and the display (idempotent)."""
         self.progress.close()
         self.metrics.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def close(self, outcome: BaseException | None = None) -> None:
         """Everything; the trackers are told how the run ended (finished, preempted, failed)."""

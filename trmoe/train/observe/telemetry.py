@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trmoe.run.cadence import Cadence
 from trmoe.runtime import env
 from trmoe.runtime.parallel import is_dtensor, shard_region
 
@@ -242,6 +243,48 @@ class MoETelemetry:
                 present = any(r.get(f"grad_norm_{branch}") is not None for r in rows)
                 aggregate[f"grad_norm_{branch}"] = float(grads[:, i].pow(2).sum().sqrt()) if present else None
         return aggregate, rows
+
+
+class TelemetryObserver:
+    """Expert telemetry as an observer of the run: it counts the training forwards (`recording`), reads the
+    gradient norms before clipping at the steps of its cadence (the log steps), and gives each metrics row
+    its aggregate columns and the telemetry.csv rows of the same step (`collect`), which the run's one row
+    sink (RunOutput) writes. Its state is the open window (a checkpoint component, "telemetry")."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, cadence: Cadence, rank: int = 0):
+        self.moe = MoETelemetry(model, device)
+        self.num_experts = self.moe.num_experts
+        self.cadence, self.rank = cadence, rank
+        self._grad_sq: torch.Tensor | None = None
+
+    def recording(self):
+        return self.moe.recording()
+
+    def before_clip(self, step: int) -> None:
+        """After backward, before clipping: the gradient norms of a logged step."""
+        if self.cadence.due(step):
+            self._grad_sq = self.moe.grad_norms()
+
+    def collect(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(aggregate metrics columns, telemetry.csv rows) of the window; starts the next one."""
+        grad_sq, self._grad_sq = self._grad_sq, None
+        return self.moe.collect(step, grad_sq)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.moe.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint's open window (a resume, a rollback's replay)."""
+        self._grad_sq = None
+        self.moe.load_state_dict(state, self.rank)
+
+    def rewind(self) -> None:
+        """A rollback: an empty window (the checkpoint's, if it has one, is loaded next)."""
+        self._grad_sq = None
+        self.moe.reset()
+
+    def close(self) -> None:
+        self.moe.remove()
 
 
 def _shard_counted_here(g: torch.Tensor) -> bool:

@@ -1,0 +1,59 @@
+"""The schedules applied: at the start of every step, the values of trmoe.train.schedule's pure functions
+(LR multiplier, top-k primary weight p, scheduled gates, diversity weight lambda) set on the optimizer and
+the model; and their metrics columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trmoe.optim.build import GroupLRs, describe_groups
+from trmoe.train.schedule import Schedules, apply_lr
+
+
+class Scheduler:
+    def __init__(self, schedules: Schedules, model: nn.Module, optimizer):
+        self.schedules, self.model, self.optimizer = schedules, model, optimizer
+        self.values: dict[str, float | None] = {}  # this step's
+        self._group_lrs = GroupLRs(model, optimizer)
+
+    def begin_step(self, step: int) -> dict[str, float | None]:
+        """Set this step's LR, p, gates (lambda is the objective's); returns the step's values."""
+        v = self.values = self.schedules.at(step)
+        apply_lr(self.optimizer, v["lr_mult"])
+        with torch.no_grad():
+            for block in self.model.blocks:
+                ffn = block.ffn
+                if v["primary_weight"] is not None and ffn.routed is not None:
+                    if ffn.routed.primary_weight != v["primary_weight"]:
+                        ffn.routed.primary_weight = v["primary_weight"]
+                if v["shared_gate"] is not None and ffn.shared_gate is not None:
+                    ffn.shared_gate.fill_(v["shared_gate"])
+                if v["routed_gate"] is not None and ffn.routed_gate is not None:
+                    ffn.routed_gate.fill_(v["routed_gate"])
+        return v
+
+    def columns(self) -> dict[str, Any]:
+        """The metrics columns of a logged step: per-group LRs, the gates' means, p, lambda."""
+        row: dict[str, Any] = dict(self._group_lrs.row())
+        row["shared_gate"], row["routed_gate"] = _gate_means(self.model)
+        routed = [b.ffn.routed for b in self.model.blocks if b.ffn.routed is not None]
+        row["primary_weight"] = routed[0].primary_weight if routed and routed[0].top_k > 1 else None
+        row["diversity_lambda"] = self.values.get("diversity")
+        return row
+
+    def record(self) -> dict[str, Any]:
+        """For run_config.json: the optimizer's groups and the resolved schedules."""
+        return {"optimizer_groups": describe_groups(self.optimizer), "schedules": self.schedules.to_dict()}
+
+
+def _gate_means(model: nn.Module) -> tuple[float | None, float | None]:
+    shared = [b.ffn.shared_gate for b in model.blocks if b.ffn.shared_gate is not None]
+    routed = [b.ffn.routed_gate for b in model.blocks if b.ffn.routed_gate is not None]
+
+    def mean(gates):
+        return torch.stack([g.detach() for g in gates]).mean().item() if gates else None
+
+    return mean(shared), mean(routed)
