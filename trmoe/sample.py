@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.errors import UserError
 
@@ -120,12 +121,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run(argv)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
+    return cli.run(run, argv)
 
 
 if __name__ == "__main__":
