@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
 import subprocess
 import sys
@@ -81,20 +83,81 @@ TEXT_RUN = [
 ]
 
 
-def run_cli(
-    args: list[str], cwd: Path, timeout: int = 600, module: str = "trmoe.train"
+# ------------------------------------------------------------------ launching the tools
+# Two ways, one helper each: `cli` calls a tool's main(argv) in this process (what a bad-input case needs:
+# the exit code and the one line, without a child paying the imports again); `python`/`start` run a real
+# child process (what a signal, a kill, a lock held by another process, torchrun or an import check needs).
+
+MAINS = {  # python -m <module> -> the module whose main(argv) it runs
+    "trmoe.train": "trmoe.train.__main__",
+    "trmoe.report": "trmoe.report.__main__",
+    "trmoe.plan": "trmoe.plan.__main__",
+    "trmoe.bench": "trmoe.bench.__main__",
+    "trmoe.export": "trmoe.export.__main__",
+    "trmoe.eval": "trmoe.eval.__main__",
+}
+
+
+def cli(args: list[str], cwd: Path, module: str = "trmoe.train") -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` from `cwd`, run in this process by the tool's own main(argv): its exit
+    code and its stdout and stderr, as run_cli gives them. The working directory and the torch thread count
+    are restored afterwards."""
+    import importlib
+
+    main = importlib.import_module(MAINS.get(module, module)).main
+    out, err = io.StringIO(), io.StringIO()
+    previous, threads = os.getcwd(), torch.get_num_threads()
+    full_error = os.environ.pop("HYDRA_FULL_ERROR", None)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(previous)
+        torch.set_num_threads(threads)
+        if full_error is not None:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's, unbuffered output, HYDRA_FULL_ERROR as a user has it
+    (unset), and `extra`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    if "HYDRA_FULL_ERROR" not in extra:
+        env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def python(
+    *args: str | Path, cwd: Path | None = None, env: dict | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-    """`python -m <module> ...` (the train app by default) in a fresh process, from `cwd`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
+    """`python <args>` (this interpreter: `-m trmoe.X ...`, `-c code`, a driver script) in a fresh process,
+    run to its end: its exit code, stdout and stderr."""
     return subprocess.run(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, *map(str, args)],
         cwd=cwd,
-        env=env,
+        env=child_env() if env is None else env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start(*args: str | Path, cwd: Path | None = None, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`python <args>` started in a fresh process and left running (to be signalled, killed or watched);
+    stdout and stderr merged into one pipe unless `popen` says otherwise."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)], cwd=cwd, env=child_env() if env is None else env, **popen
+    )
+
+
+def run_cli(
+    args: list[str], cwd: Path, timeout: int = 600, module: str = "trmoe.train"
+) -> subprocess.CompletedProcess:
+    """`python -m <module> ...` (the train app by default) in a fresh process, from `cwd`."""
+    return python("-m", module, *args, cwd=cwd, timeout=timeout)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
