@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import cli, compose_config
 from test_shards import edit_index, make_shard, synthetic_tokens
 
 from trmoe.config.resolve import to_config
@@ -303,7 +303,7 @@ def test_cli_bad_shard_and_bad_parquet_exit_2_and_write_nothing(dataset, tmp_pat
         (["data=fineweb", f"data.path={tmp_path / 'nofield.parquet'}"], "no column 'text' (data.text_field)"),
     ]
     for overrides, expected in cases:
-        result = run_cli([*overrides, "run.name=bad", *FAST], cwd=tmp_path)
+        result = cli([*overrides, "run.name=bad", *FAST], cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli, run_cli
 
 pytest.importorskip("transformers")  # the `hf` extra (make test installs it)
 
@@ -122,7 +122,7 @@ print("ok")
 def test_plain_safetensors_format(text_run, tmp_path):
     from safetensors.torch import load_file
 
-    result = run_cli(
+    result = cli(
         [str(text_run), "--out", str(tmp_path / "st"), "--format", "safetensors"],
         cwd=tmp_path,
         module="trmoe.export",

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_config, metrics_rows, run_cli
+from helpers import cli, compose_config, metrics_rows
 from test_resume import DRIVER, assert_same_run
 
 from trmoe.config.resolve import to_config
@@ -289,7 +289,7 @@ def test_the_report_tables_each_source_per_arm(trained, tmp_path):
     ],
 )
 def test_bad_mixtures_are_one_line_exit_2_nothing_written(tmp_path, overrides, message):
-    out = run_cli(["data=mixture", *overrides, "run.name=bad", "hardware=cpu"], tmp_path)
+    out = cli(["data=mixture", *overrides, "run.name=bad", "hardware=cpu"], tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -310,7 +310,7 @@ def test_a_source_of_another_tokenizer_is_refused(tmp_path):
         "documents": 64, "text_bytes": 0, "source": {},
     }  # fmt: skip
     (shard / "tokens.idx.json").write_text(json.dumps(index))
-    out = run_cli(
+    out = cli(
         [
             "data=mixture",
             "+data.sources={help: {source: embedded, weight: 1}, "

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import compose_config, run_cli, wait_until
+from helpers import cli, compose_config, run_cli, wait_until
 from test_data_pipeline import FAST, text_documents
 from test_resume import _descendants
 
@@ -83,9 +83,7 @@ def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(t
         holder = read_holder(run_dir)
         assert holder["pid"] == live.pid and holder["host"]
         # the same name (another config, too), while the first launch trains
-        second = run_cli(
-            [*TINY, "run.name=live", "trainer.steps=3", "trainer.seed=2"], cwd=tmp_path, timeout=300
-        )
+        second = cli([*TINY, "run.name=live", "trainer.steps=3", "trainer.seed=2"], cwd=tmp_path)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in second.stderr
@@ -419,7 +417,7 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
         f"hydra.sweep.dir={sweep}",
         "hydra.callbacks.report.control='optimizer.lr=0.003'",
     ]
-    result = run_cli(args, cwd=tmp_path, timeout=900)
+    result = cli(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (sweep / "report.md").read_text()
     assert "2 run(s) diverged (left out of the paired comparison)" in report
@@ -440,7 +438,7 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
     final = _status(control)["final_eval_loss"]
     metrics = control / "metrics.csv"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # header + step 0
-    again = run_cli([str(sweep), "--no-plots"], cwd=tmp_path, timeout=300, module="trmoe.report")
+    again = cli([str(sweep), "--no-plots"], cwd=tmp_path, module="trmoe.report")
     assert again.returncode == 0, again.stderr
     text = (sweep / "report.md").read_text()
     assert "metrics.csv ends at step 0, but status.json says finished at step 4 (truncated?)" in text
@@ -483,16 +481,14 @@ def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_noth
     conf = tmp_path / "conf" / "model"
     conf.mkdir(parents=True)
     (conf / "bad.yaml").write_text("defaults:\n  - base_model\nname: bad\nhidden_size: [1,\n")
-    result = run_cli(["--config-dir", str(tmp_path / "conf"), "model=bad"], cwd=tmp_path, timeout=300)
+    result = cli(["--config-dir", str(tmp_path / "conf"), "model=bad"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"trmoe: config error: {conf / 'bad.yaml'}: line 5, column 1: not valid YAML "
         "(expected the node content, but found '<stream end>')"
     )
     # an allocation that would fail after the run directory holds its records: sized first
-    huge = run_cli(
-        ["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path, timeout=300
-    )
+    huge = cli(["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path)
     assert huge.returncode == 2 and "Traceback" not in huge.stderr, huge.stderr[-3000:]
     assert huge.stderr.strip().startswith(
         "trmoe: model tiny: its weights, gradients and optimizer state need"

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TIMING_COLUMNS, TINY_RUN, compose_config, run_cli
+from helpers import TIMING_COLUMNS, TINY_RUN, cli, compose_config
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
@@ -200,5 +200,5 @@ def test_logger_options_compose_alone_and_together(tmp_path):
     both = to_config(compose_config("logger=[tensorboard,mlflow]")).logger
     assert trackers.chosen(both) == ["tensorboard", "mlflow"]
     assert to_config(compose_config("logger=wandb")).logger.wandb.mode.value == "offline"
-    out = run_cli(["logger=nosuch"], tmp_path)
+    out = cli(["logger=nosuch"], tmp_path)
     assert out.returncode == 2 and "allowed: csv, mlflow, tensorboard, wandb" in out.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, metrics_rows, run_cli
+from helpers import cli, compose_config, metrics_rows
 
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.run.records import METRIC_COLUMNS
@@ -159,7 +159,7 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
         for i in range(60)
     ]
     corpus.write_text("\n\n".join(docs))
-    result = run_cli(
+    result = cli(
         [
             "data=text",
             "data.text_path=corpus.txt",
@@ -185,7 +185,7 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
 
 
 def test_cli_multirun_writes_one_directory_per_job(tmp_path):
-    result = run_cli(
+    result = cli(
         [
             "--multirun",
             "routing=modulo_cyclic,multi_hash",

@@ -518,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    for stop in STOPS[1:]:  # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once)
-        signal.signal(stop, _interrupt)
+    # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once); a caller's own
+    # handlers (main called in-process) are back afterwards
+    previous = {stop: signal.signal(stop, _interrupt) for stop in STOPS[1:]}
     try:
         if argv[:1] == ["verify"]:
             verify = Parser(prog="python -m trmoe.data.prepare verify")
@@ -543,6 +544,9 @@ def _main(argv: list[str]) -> int:
         name = str(exc) if str(exc) in signal.Signals.__members__ else "SIGINT"
         print(f"trmoe: data.prepare: interrupted ({name}); partial files removed", file=sys.stderr)
         return 128 + signal.Signals[name]
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
     return 0
 
 
