@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES, compose_config, train_in_process
+from helpers import compose_config, train_in_process
+from presets import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES
 
 # Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CONF_DIR, FAST_CPU, cli, compose_config, run_cli
+from helpers import CONF_DIR, cli, compose_config, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
+from presets import FAST_CPU
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import GROUPS, Config

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import cli, compose_config
-from test_shards import edit_index, make_shard, synthetic_tokens
+from helpers import cli, compose_config, edit_index, make_shard, synthetic_tokens, text_documents
+from presets import DATA_FAST as FAST
 
 from trmoe.config.resolve import to_config
 from trmoe.data.pipeline import build_data, micro_batch_samples
@@ -26,25 +26,8 @@ from trmoe.errors import UserError
 from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
 
+
 # hardware.threads=1: these runs are tiny, and a second intra-op thread only adds wake-ups on a busy machine.
-FAST = [
-    "trainer.seq_len=16",
-    "trainer.eval_batches=2",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-]
-TEXT_WORDS = "the model reads a window of tokens and predicts the next one from its experts".split()
-
-
-def text_documents(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    return [
-        f"Note {i}. " + " ".join(rng.choice(TEXT_WORDS, size=int(rng.integers(8, 40)))) + "."
-        for i in range(n)
-    ]
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """A prepared o200k dataset (train/ + eval/) of 200 short documents."""

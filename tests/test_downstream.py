@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, TRAINING_SENTENCES, cli, compose_config, metrics_rows
-from test_resume import DRIVER, assert_same_run
+from helpers import DRIVER, TIMING_COLUMNS, assert_same_run, cli, compose_config, metrics_rows
+from presets import TRAINING_SENTENCES
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 

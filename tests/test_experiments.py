@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import CONF_DIR, cli, compose_config
 from hydra import compose, initialize_config_module
+from presets import GRID_TINY as TINY_RUN
 
 from trmoe.config.param_match import solve_match
 from trmoe.config.resolve import model_spec, to_config
@@ -25,14 +26,6 @@ PILOT = ["model=100m", "model.gates=false", f"model.match_params={PILOT_TARGET}"
 DENSE = ["model.num_experts=1", "routing.top_k=1", "model.routed_width=0"]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 # Small enough that the 11-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
-TINY_RUN = [
-    "trainer.steps=2",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "trainer.eval_every=0",
-    "trainer.log_every=1",
-]
 
 
 def _grid(name: str):

@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    RESUME_BASE,
-    RESUME_SMALL,
-    assert_same_run,
-    cli,
-    metrics_rows,
-    train_in_process,
-    tree_digest,
-)
+from helpers import assert_same_run, cli, metrics_rows, train_in_process, tree_digest
+from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
 from trmoe.run.checkpoint import load_checkpoint

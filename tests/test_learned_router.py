@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TIMING_COLUMNS, compose_config, metrics_rows, run_cli
+from presets import LEARNED_RUN as RUN
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu
@@ -128,21 +129,6 @@ def test_match_prints_the_learned_arm(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ training
-
-RUN = [
-    "data=random",
-    "model.vocab_size=512",
-    "routing=learned",
-    "routing.z_weight=0.001",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "telemetry.moe=true",
-]
 
 
 def test_kill_then_resume_is_bit_exact(tmp_path):

@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cli, compose_config, metrics_rows
-from test_resume import DRIVER, assert_same_run
+from helpers import DRIVER, assert_same_run, cli, compose_config, metrics_rows
 
 from trmoe.config.resolve import to_config
 from trmoe.data.mixture import MixtureSchedule, Weights

@@ -18,24 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import cli, compose_config, run_cli, wait_until
-from test_data_pipeline import FAST, text_documents
-from test_resume import _descendants
+from helpers import cli, compose_config, descendants, run_cli, text_documents, wait_until
+from presets import DATA_FAST as FAST
+from presets import RELIABILITY_TINY as TINY
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.run.lock import LOCK_FILE, RunLock, read_holder
 from trmoe.train.loop import train
 
-TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "trainer.eval_batches=1",
-    "run.progress=log",
-    "hardware=cpu",
-    "hardware.threads=1",
-]
 # first attempt: 2 steps of a 4-step horizon; the resume (trainer.steps=4) keeps the schedules' past
 FIRST = ["trainer.steps=2", "checkpoint.every_steps=2", "optimizer.decay_steps=4", "optimizer.warmup_steps=1"]
 SECOND = [*FIRST[1:], "trainer.steps=4"]
@@ -379,7 +369,7 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
         wait_until(partial.exists, "the partial shard", proc)
     else:
         wait_until(lambda: partial.exists() and partial.stat().st_size > 0, "tokens written", proc)
-    workers = _descendants(proc.pid)
+    workers = descendants(proc.pid)
     for signum in signals:
         os.killpg(proc.pid, signum)
     out_text = proc.communicate(timeout=60)[0]  # promptly: it once waited ten minutes

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_CPU, cli, compose_config
+from helpers import cli, compose_config
+from presets import FAST_CPU
 
 # Two steps of a tiny model on random tokens: a real run directory in well under a second.
 TINY = [*FAST_CPU, "trainer.steps=2", "trainer.micro_batch=2", "trainer.eval_every=0", "trainer.log_every=1"]

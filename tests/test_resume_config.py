@@ -8,15 +8,8 @@ import json
 import os
 
 import pytest
-from helpers import (
-    RESUME_BASE,
-    RESUME_SMALL,
-    cli,
-    compose_config,
-    metrics_rows,
-    train_in_process,
-    tree_digest,
-)
+from helpers import cli, compose_config, metrics_rows, train_in_process, tree_digest
+from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
 from trmoe.run.checkpoint import load_checkpoint

@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import FAST_CPU, TRAINING_SENTENCES, cli, compose_config
+from helpers import cli, compose_config
+from presets import FAST_CPU, TRAINING_SENTENCES
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.generate import Sampling, generate

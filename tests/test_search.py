@@ -7,7 +7,8 @@ import json
 import re
 
 import yaml
-from helpers import TINY_RUN, cli
+from helpers import cli
+from presets import TINY_RUN
 
 SEARCH = [
     "hparams_search=lr_warmup",

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, finish, metrics_rows, wait_until
+from helpers import finish, metrics_rows, wait_until
+from presets import TINY_RUN
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

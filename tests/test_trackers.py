@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TIMING_COLUMNS, TINY_RUN, cli, compose_config
+from helpers import DRIVER, TIMING_COLUMNS, cli, compose_config
+from presets import TINY_RUN
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
 from trmoe.train.observe import trackers
 
-DRIVER = Path(__file__).with_name("resume_driver.py")
 RUN = [
     *TINY_RUN,
     "hardware=cpu",

@@ -12,20 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli, compose_config, metrics_rows
+from presets import TRAIN_FAST as FAST
 
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
-
-FAST = [
-    "trainer.micro_batch=4",
-    "trainer.seq_len=64",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=5",
-    "trainer.eval_batches=2",
-    "hardware=cpu",
-    "run.progress=log",
-]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from presets import TINY_RUN
 
 import trmoe
 
