@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import cli
+from helpers import cli, run_cli
 
 from trmoe.bench import dispatch, ffn, step
 from trmoe.bench.common import LayerBench, layer_args
@@ -204,10 +204,11 @@ def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):
     assert 0 < tr["mfu"] == pytest.approx(tr["achieved_flops"] / line["peak_flops"])
 
 
+@pytest.mark.subprocess  # the peak memory of each backend is measured against a fresh process's baseline
 def test_loss_measures_each_backend_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
     args = ["loss", "--tokens", "64", "--hidden", "16", "--chunk", "32", "--kinds", "chunked", "full"]
-    out = cli(args, tmp_path, module="trmoe.bench")
+    out = run_cli(args, tmp_path, timeout=300, module="trmoe.bench")
     assert out.returncode == 0, out.stderr[-2000:]
     chunked, full = (json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
     assert (chunked["kind"], chunked["backend"], full["kind"]) == ("chunked", "chunked", "full")
