@@ -172,6 +172,7 @@ def cli_runs(tmp_path_factory):
         proc.communicate()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("line", BY_CLI)
 def test_bad_input_on_the_command_line(cli_runs, line):
     proc, results = cli_runs[line]

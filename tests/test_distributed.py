@@ -35,6 +35,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in [*cases, "fsdp_resumed"]}
 
 
+@pytest.mark.subprocess
 def test_ddp_and_fsdp_equal_the_single_processrun_ranks(runs):
     reference = train_losses(runs["single"])
     assert len(reference) == 4
@@ -42,6 +43,7 @@ def test_ddp_and_fsdp_equal_the_single_processrun_ranks(runs):
         assert train_losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-5), name
 
 
+@pytest.mark.subprocess
 def test_fsdp_resumes_from_its_sharded_checkpoint(runs):
     log = (runs["fsdp_resumed"] / "train.log").read_text()
     assert "resume from step 2" in log, log[-2000:]
@@ -52,6 +54,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(runs):
         torch.testing.assert_close(resumed["model"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.subprocess
 def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
     d = runs["ddp"]
     assert (d / "run_config.json").is_file() and (d / "train.log").is_file()
@@ -67,6 +70,7 @@ def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
     assert record["tokens_per_step"] == 4 * 32  # micro x seq x world x accum
 
 
+@pytest.mark.subprocess
 def test_distributed_checkpoints_hold_the_same_weights(runs):
     single = load_checkpoint(runs["single"])
     for name in ("ddp", "fsdp"):
@@ -98,6 +102,7 @@ FSDP_OPTIONS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("option", list(FSDP_OPTIONS))
 def test_fsdp_options_equal_the_single_processrun_ranks(tmp_path, option):
     overrides, columns = FSDP_OPTIONS[option]

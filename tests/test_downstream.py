@@ -115,6 +115,7 @@ def test_evaluation_does_not_change_training(with_tasks, corpus, tmp_path):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_resume_keeps_the_columns_bit_identical(with_tasks, corpus, tmp_path):
     args = run_args(corpus, *DOWNSTREAM, "downstream.every=4")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -323,6 +323,7 @@ def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):
         assert rc["params"]["total"] == 12_924_480
 
 
+@pytest.mark.subprocess
 def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError

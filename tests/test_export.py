@@ -100,6 +100,7 @@ def test_tokenizer_encodes_as_trmoe(exported):
     assert tok.decode(ours, skip_special_tokens=False) == MULTILINGUAL
 
 
+@pytest.mark.subprocess
 def test_exported_code_imports_without_trmoe(exported, hf_model, tmp_path):
     ids = [[1, 2, 3, 4, 5]]
     with torch.no_grad():
@@ -135,6 +136,7 @@ def test_plain_safetensors_format(text_run, tmp_path):
     assert json.loads((tmp_path / "st" / "config.json").read_text())["step"] == 60
 
 
+@pytest.mark.subprocess
 def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, capsys):
     from trmoe.export.__main__ import main
 

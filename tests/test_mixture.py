@@ -196,6 +196,7 @@ def test_per_source_eval_columns_and_epochs_are_recorded(trained):
     assert "eval_loss/code" in record["metrics_columns"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("fault, checkpoint", [("step:6:forward", 4), ("step:8:after", 8)])
 def test_kill_9_then_resume_is_bit_exact(corpora, trained, tmp_path, fault, checkpoint):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -232,6 +233,7 @@ def test_a_weight_change_on_resume_is_refused_unless_forced(corpora, trained, tm
     assert record["resumes"][-1]["forced"]["data.sources.help.weight"] == [0.8, 0.7]
 
 
+@pytest.mark.subprocess
 def test_two_ranks_equal_one_at_the_same_global_batch(corpora, trained, tmp_path):
     run_dir = tmp_path / "ddp"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}

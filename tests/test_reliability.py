@@ -65,6 +65,7 @@ def _rows_written(run_dir: Path, rows: int) -> bool:
 # ----------------------------------------------------------------------------------- one launch per run
 
 
+@pytest.mark.subprocess
 def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(tmp_path):
     run_dir = tmp_path / "runs" / "live"
     live = _spawn([*TINY, "run.name=live", "trainer.steps=100000", "checkpoint.every_steps=2"], tmp_path)
@@ -96,6 +97,7 @@ def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(t
     assert not (run_dir / LOCK_FILE).exists()  # released: the file goes with it
 
 
+@pytest.mark.subprocess
 def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_holds(tmp_path, monkeypatch):
     """On a shared filesystem a node that is lost can keep its lock until the server's lease ends; the same
     SLURM job, requeued (SLURM starts it only after the first attempt ended), must still resume its own
@@ -128,6 +130,7 @@ def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_hol
         holder.wait(30)
 
 
+@pytest.mark.subprocess
 def test_default_run_names_and_sweep_directories_are_unique_within_one_second(tmp_path):
     """Three default-named launches started together get three directories (before: one, by the clock's
     second); each composition resolves its own name once (one launch, one value)."""
@@ -214,6 +217,7 @@ def test_a_parquet_file_edited_to_the_same_size_is_refused_on_resume(tmp_path):
 # --------------------------------------------------------------------------------- signals from a terminal
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_ctrl_c_and_a_closed_terminal_stop_at_a_step_boundary_like_sigterm(tmp_path, signum, code):
     run_dir = tmp_path / "runs" / "r"
@@ -257,6 +261,7 @@ def _leftovers(root: Path) -> list[str]:
     )
 
 
+@pytest.mark.subprocess
 def test_a_disk_that_fills_mid_run_then_read_only(tmpfs):
     # checkpoints of ~1.9 MB every 2 steps, all kept: the 6 MiB fill after the second
     args = [*TINY, "run.name=full", "trainer.steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
@@ -291,6 +296,7 @@ def test_a_disk_that_fills_mid_run_then_read_only(tmpfs):
     ]
 
 
+@pytest.mark.subprocess
 def test_a_full_disk_at_launch_is_one_line_and_leaves_nothing_half_written(tmpfs):
     filler = tmpfs / "filler"
     with open(filler, "wb") as f:  # leave ~12 KiB
@@ -342,6 +348,7 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("signals", "when", "code"),
     [
@@ -486,6 +493,7 @@ def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_noth
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]
 
 
+@pytest.mark.subprocess
 def test_prepare_names_the_jsonl_position_quotes_its_hint_and_names_symlinks_as_matched(tmp_path):
     from trmoe.data.prepare import discover_inputs, prepare, train_override
 

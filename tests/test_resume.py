@@ -128,6 +128,7 @@ def test_nonfinite_steps_stop_the_run_with_exit_3_and_a_good_checkpoint(faulted)
             assert torch.equal(last["optimizer"]["state"][index][name], value)
 
 
+@pytest.mark.subprocess
 def test_kill_9_twice_then_resume_is_bit_exact(tmp_path, baseline):
     first = _drive("step:6:forward", tmp_path)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
@@ -158,6 +159,7 @@ def _wait_formetrics_rows(metrics_glob, cwd: Path, rows: int, proc: subprocess.P
     return None
 
 
+@pytest.mark.subprocess
 def test_kill_9_from_outside_at_a_random_moment(tmp_path, baseline_every_row):
     """The plain CLI killed by another process at whatever instant it has reached (not chosen)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -179,6 +181,7 @@ def test_kill_9_from_outside_at_a_random_moment(tmp_path, baseline_every_row):
     assert_same_run(run_dir, baseline_every_row)
 
 
+@pytest.mark.subprocess
 def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
     """hydra-submitit-launcher (local executor, a real submitit job): SIGUSR2 to the job's process ->
     trmoe saves at the step boundary and hands the signal to submitit's handler, which pickles the job

@@ -30,6 +30,7 @@ def whole(tmp_path_factory) -> dict[str, Path]:
     return {"single": root / "single", "ddp": root / "ddp"}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("start, resume", [("single", "ddp"), ("single", "fsdp"), ("ddp", "single")])
 def test_a_run_resumes_with_another_number_of_ranks(whole, tmp_path, start, resume):
     run = tmp_path / f"{start}_to_{resume}"

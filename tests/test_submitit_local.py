@@ -126,6 +126,7 @@ def test_ranks_of_a_submitit_local_task(monkeypatch, inherited):
         os.environ.update(saved)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_timeout_requeues_both_ranks_and_resumes(tmp_path):
     sweep_dir = tmp_path / "sweep"

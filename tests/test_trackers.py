@@ -93,6 +93,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("fault,relogged,says", KILLS)
 def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path, fault, relogged, says):
     chosen = ["logger=[tensorboard,mlflow]", "telemetry.moe=true"]
@@ -157,6 +158,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
                 assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g
 
 
+@pytest.mark.subprocess
 def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     """W&B offline writes <run dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (a protobuf record log that
     `wandb sync` uploads); offline there is no API to read the history back (wandb 0.31 has no Python reader

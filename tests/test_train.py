@@ -232,6 +232,7 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
     assert all(math.isfinite(float(r["train_loss"])) for r in rows[1:])
 
 
+@pytest.mark.subprocess
 def test_log_lines_print_above_the_progress_bar(tmp_path):
     """run.progress=bar: the log lines (evaluations, checkpoints) print on lines of their own, not into
     the bar's line. stdout (the log) and stderr (the bar) share one pipe here, as they share a terminal."""
