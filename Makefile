@@ -10,7 +10,8 @@ STAMP := $(VENV)/.trmoe-installed
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 # Test processes (pytest-xdist; `auto` = one per core). Each test file runs whole in one process, so a file's
-# module fixtures are built once; TEST_WORKERS=0 runs everything in this process.
+# module fixtures are built once; TEST_WORKERS=0 runs everything in this process. `make test` runs every tier
+# (CI's); ARGS='-m "not slow and not subprocess"' is the quick local one (tests/README.md).
 TEST_WORKERS ?= auto
 
 .PHONY: install train test lint clean

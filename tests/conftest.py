@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES, compose_config, train_in_process
+from helpers import compose_config, train_in_process
+from presets import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES
 
 # Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -75,8 +76,13 @@ def exported(text_run, tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The one slow marker: `@pytest.mark.slow` runs everywhere (CI included; `-m "not slow"` leaves it out
-    locally); `@pytest.mark.slow(opt_in="why")` runs only with TRMOE_SLOW_TESTS=1."""
+    """The tiers (markers registered in pyproject.toml): `@pytest.mark.slow` runs everywhere (CI included;
+    `-m "not slow"` leaves it out locally); `@pytest.mark.slow(opt_in="why")` runs only with
+    TRMOE_SLOW_TESTS=1; `@pytest.mark.gpu` is skipped, saying so, without a CUDA device."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(pytest.mark.skip(reason="no CUDA device on this machine"))
     if os.environ.get("TRMOE_SLOW_TESTS"):
         return
     for item in items:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import json
 import os
 import subprocess
 import sys
@@ -10,12 +13,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
+from presets import DISTRIBUTED_TINY, RESUME_BASE
 
 import trmoe.config.schema  # noqa: F401  (registers the schemas)
+from trmoe.data.shards import INDEX_NAME, write_shard
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -26,75 +32,85 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-# In-process train() runs of a few milliseconds a step: 256 ids, 16-token windows, one thread.
-FAST_CPU = [
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "data=random",
-    "model.vocab_size=256",
-]
-
-
 # metrics.csv columns that are measured, not computed: every bit-exactness comparison leaves them out
 TIMING_COLUMNS = ("tok_s", "elapsed_s", "mfu", "peak_mem_gib")
 
-# A training run of a few milliseconds a step (tiny vocabulary, short sequences): the sweep tests' base.
-TINY_RUN = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "run.progress=log",
-    "trainer.log_every=10",
-]
+
+# ------------------------------------------------------------------ launching the tools
+# Two ways, one helper each: `cli` calls a tool's main(argv) in this process (what a bad-input case needs:
+# the exit code and the one line, without a child paying the imports again); `python`/`start` run a real
+# child process (what a signal, a kill, a lock held by another process, torchrun or an import check needs).
+
+MAINS = {  # python -m <module> -> the module whose main(argv) it runs
+    "trmoe.train": "trmoe.train.__main__",
+    "trmoe.report": "trmoe.report.__main__",
+    "trmoe.plan": "trmoe.plan.__main__",
+    "trmoe.bench": "trmoe.bench.__main__",
+    "trmoe.export": "trmoe.export.__main__",
+    "trmoe.eval": "trmoe.eval.__main__",
+}
 
 
-# A tiny model (o200k vocabulary) trained to memorise a few sentences: conftest's text_run fixture, which
-# trmoe.sample, trmoe.export and trmoe.eval are tested on.
-TRAINING_SENTENCES = [
-    "The cat sat on the mat and looked at the red ball.",
-    "A quick brown fox jumps over the lazy dog every morning.",
-    "Water boils at one hundred degrees at sea level.",
-    "The sun rises in the east and sets in the west.",
-]
-TEXT_RUN = [
-    "model=tiny",
-    "data=text",
-    "data.eval_fraction=0.2",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "trainer.seq_len=32",
-    "trainer.micro_batch=4",
-    "trainer.steps=60",
-    "trainer.eval_every=0",
-    "trainer.eval_batches=1",
-    "trainer.log_every=20",
-    "optimizer.lr=1e-2",
-    "optimizer.warmup_steps=5",
-]
+def cli(args: list[str], cwd: Path, module: str = "trmoe.train") -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` from `cwd`, run in this process by the tool's own main(argv): its exit
+    code and its stdout and stderr, as run_cli gives them. The working directory and the torch thread count
+    are restored afterwards."""
+    import importlib
+
+    main = importlib.import_module(MAINS.get(module, module)).main
+    out, err = io.StringIO(), io.StringIO()
+    previous, threads = os.getcwd(), torch.get_num_threads()
+    full_error = os.environ.pop("HYDRA_FULL_ERROR", None)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(previous)
+        torch.set_num_threads(threads)
+        if full_error is not None:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
+    return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's, unbuffered output, HYDRA_FULL_ERROR as a user has it
+    (unset), and `extra`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    if "HYDRA_FULL_ERROR" not in extra:
+        env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def python(
+    *args: str | Path, cwd: Path | None = None, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`python <args>` (this interpreter: `-m trmoe.X ...`, `-c code`, a driver script) in a fresh process,
+    run to its end: its exit code, stdout and stderr."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=child_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start(*args: str | Path, cwd: Path | None = None, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`python <args>` started in a fresh process and left running (to be signalled, killed or watched);
+    stdout and stderr merged into one pipe unless `popen` says otherwise."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)], cwd=cwd, env=child_env() if env is None else env, **popen
+    )
 
 
 def run_cli(
     args: list[str], cwd: Path, timeout: int = 600, module: str = "trmoe.train"
 ) -> subprocess.CompletedProcess:
     """`python -m <module> ...` (the train app by default) in a fresh process, from `cwd`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return python("-m", module, *args, cwd=cwd, timeout=timeout)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -186,27 +202,6 @@ def watch_training(monkeypatch) -> list[dict]:
 
 # ------------------------------------------------------------------ the resume tests' run (test_resume*.py)
 
-RESUME_BASE = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=4",
-    "trainer.seq_len=64",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=3",
-    "trainer.eval_batches=2",
-    "hardware=cpu",
-    "hardware.threads=1",  # the same thread count in every process: CPU results are then bit-identical
-    "run.progress=log",
-    "run.name=r",
-    "trainer.steps=20",
-    "trainer.log_every=3",  # rows at 1, 3, 5, 6, 9, ...: windows straddle checkpoints (every 4)
-    "trainer.eval_every=5",
-    "checkpoint.every_steps=4",
-    "checkpoint.keep_last=2",
-]
-
-RESUME_SMALL = ["trainer.steps=4", "checkpoint.every_steps=2", "trainer.log_every=1", "trainer.eval_every=2"]
-
 
 def train_in_process(run_dir: Path, *overrides: str) -> float:
     """The real train() of RESUME_BASE + overrides in this process, the torch thread count kept."""
@@ -266,3 +261,73 @@ def assert_latest_sane(run_dir: Path) -> None:
     name = read_pointer(directory)
     if name is not None:
         CheckpointStore(directory).verify(directory / name)
+
+
+# ------------------------------------------------------------------ shared data, processes and runs
+
+DRIVER = Path(__file__).with_name("resume_driver.py")  # the app with one fault injected (its docstring)
+
+
+SYNTH = dict(vocab_size=512, tokenizer="synthetic", tokenizer_sha256=None, eos_id=0, source={"kind": "test"})
+
+
+def synthetic_tokens(n: int, vocab: int = 512, seed: int = 0, doc_len: int = 37) -> np.ndarray:
+    """Ids in [1, vocab) with EOS (0) closing a document every doc_len tokens (the last token is EOS)."""
+    tokens = np.random.default_rng(seed).integers(1, vocab, size=n).astype(np.int64)
+    tokens[doc_len - 1 :: doc_len] = 0
+    tokens[-1] = 0
+    return tokens
+
+
+def make_shard(directory: Path, tokens: np.ndarray, partition: str = "train", **overrides) -> dict:
+    meta = {**SYNTH, **overrides}
+    documents = int((tokens == meta["eos_id"]).sum()) if meta["eos_id"] is not None else 0
+    return write_shard(directory, tokens, partition=partition, documents=documents, **meta)
+
+
+def edit_index(directory: Path, **changes) -> None:
+    path = directory / INDEX_NAME
+    index = json.loads(path.read_text())
+    index.update(changes)
+    path.write_text(json.dumps(index))
+
+
+TEXT_WORDS = "the model reads a window of tokens and predicts the next one from its experts".split()
+
+
+def text_documents(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [
+        f"Note {i}. " + " ".join(rng.choice(TEXT_WORDS, size=int(rng.integers(8, 40)))) + "."
+        for i in range(n)
+    ]
+
+
+def descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids = (task / "children").read_text().split()
+        children += [int(k) for k in kids]
+    return [d for c in children for d in (c, *descendants(c))]
+
+
+def run_ranks(run_dir: Path, overrides: list[str], nproc: int) -> None:
+    """DISTRIBUTED_TINY + overrides: `python -m trmoe.train` (nproc 1) or torchrun with nproc CPU ranks
+    (gloo), into run_dir (TRMOE_RUN_DIR); the console output lands beside it as <name>.console."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trmoe.train"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["-m", "trmoe.train"]
+    out = subprocess.run(
+        [*cmd, *DISTRIBUTED_TINY, *overrides], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir.parent / f"{run_dir.name}.console").write_text(out.stdout + out.stderr)  # what the user saw
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """The train_loss of every step after 0 in run_dir/metrics.csv."""
+    with open(run_dir / "metrics.csv") as f:
+        return [float(r["train_loss"]) for r in csv.DictReader(f) if int(r["step"]) > 0]

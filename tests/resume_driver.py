@@ -168,4 +168,4 @@ if __name__ == "__main__":
     sys.argv = ["trmoe.train", *sys.argv[2:]]
     from trmoe.train.__main__ import main
 
-    main()
+    sys.exit(main())

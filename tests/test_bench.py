@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli, run_cli
 
 from trmoe.bench import dispatch, ffn, step
 from trmoe.bench.common import LayerBench, layer_args
@@ -172,6 +172,7 @@ def cli_runs(tmp_path_factory):
         proc.communicate()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("line", BY_CLI)
 def test_bad_input_on_the_command_line(cli_runs, line):
     proc, results = cli_runs[line]
@@ -204,6 +205,7 @@ def test_step_pairs_the_arms_and_counts_flops(results, monkeypatch):
     assert 0 < tr["mfu"] == pytest.approx(tr["achieved_flops"] / line["peak_flops"])
 
 
+@pytest.mark.subprocess  # the peak memory of each backend is measured against a fresh process's baseline
 def test_loss_measures_each_backend_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setenv("TRMOE_RESULTS", str(tmp_path / "results.jsonl"))
     args = ["loss", "--tokens", "64", "--hidden", "16", "--chunk", "32", "--kinds", "chunked", "full"]
@@ -226,7 +228,7 @@ def test_data_times_reads_prepare_and_the_stream(tmp_path, monkeypatch):
         (scratch / name).write_text(text)
     args = ["data", "--shard-mb", "1", "--text-mb", "1", "--reps", "1", "--micro-batch", "2"]
     args += ["--seq-len", "64", "--workers", "0,1", "--dir", str(scratch)]
-    out = run_cli(args, tmp_path, timeout=300, module="trmoe.bench")
+    out = cli(args, tmp_path, module="trmoe.bench")
     assert out.returncode == 0, out.stderr[-2000:]
     left = {str(p.relative_to(scratch)) for p in scratch.rglob("*") if p.is_file()}
     assert left == set(mine) and all((scratch / n).read_text() == t for n, t in mine.items())

@@ -252,6 +252,7 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
         distributed.shutdown()
 
 
+@pytest.mark.subprocess
 def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
     """Every rank calls save/load; each writes its own files, rank 0 the metadata, the rename, `latest`
     and the pruning; each rank gets its own train state back."""
@@ -293,6 +294,7 @@ def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
         distributed.shutdown()
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path, failing):
     """Rank 0 alone commits a checkpoint: had the others gone on (or rank 0, with another rank's file

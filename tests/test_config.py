@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CONF_DIR, FAST_CPU, compose_config, run_cli
+from helpers import CONF_DIR, cli, compose_config, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
+from presets import FAST_CPU
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import GROUPS, Config
@@ -148,7 +149,7 @@ def test_cross_field_rules_name_the_key(overrides, key):
     ],
 )
 def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, needle):
-    result = run_cli([*args, "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    result = cli([*args, "trainer.steps=1"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -180,7 +181,7 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
     ],
 )
 def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needle):
-    result = run_cli(args, cwd=tmp_path, timeout=120)
+    result = cli(args, cwd=tmp_path)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("trmoe: config error: ") and needle in lines[0], lines
@@ -195,7 +196,7 @@ def test_cli_a_run_name_outside_runs_creates_no_directory(tmp_path: Path, name: 
     a parent) the run directory, next to every other run."""
     launch = tmp_path / "up" / "launch"
     launch.mkdir(parents=True)
-    result = run_cli([f"run.name={name}", "trainer.steps=1"], cwd=launch, timeout=120)
+    result = cli([f"run.name={name}", "trainer.steps=1"], cwd=launch)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == (
         f"trmoe: config error: run.name={name!r}: must name a directory inside runs/ "
@@ -205,7 +206,7 @@ def test_cli_a_run_name_outside_runs_creates_no_directory(tmp_path: Path, name: 
 
 
 def test_cli_a_run_name_longer_than_a_directory_name_is_one_line(tmp_path: Path):
-    result = run_cli([f"run.name=ok/{'n' * 300}", "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    result = cli([f"run.name=ok/{'n' * 300}", "trainer.steps=1"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().startswith("trmoe: config error: run.name: the part 'nnnn")
     assert "is 300 bytes long; allowed: at most 255 bytes per directory name" in result.stderr
@@ -216,7 +217,7 @@ def test_cli_a_run_name_longer_than_a_directory_name_is_one_line(tmp_path: Path)
     ("flag", "needle"), [("--hlep", "unrecognized arguments: --hlep"), ("--cfg=jobb", "'jobb'")]
 )
 def test_cli_hydra_flag_errors_are_one_line(tmp_path: Path, flag: str, needle: str):
-    result = run_cli([flag], cwd=tmp_path, timeout=120)
+    result = cli([flag], cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trmoe: train: ") and needle in lines[0], result.stderr
@@ -233,7 +234,7 @@ def test_cli_sweeps_the_pre_check_cannot_expand_are_left_to_hydra(tmp_path: Path
     )
     tiny = [*FAST_CPU, "trainer.steps=1", "trainer.micro_batch=2", "hydra.sweep.dir=sweep"]
     for args in (["-m", "model=glob(tin*)"], ["--config-dir", str(tmp_path / "extra"), "experiment=mine"]):
-        result = run_cli([*args, *tiny], cwd=tmp_path, timeout=300)
+        result = cli([*args, *tiny], cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
         assert (tmp_path / "sweep" / "0" / "status.json").is_file()
         shutil.rmtree(tmp_path / "sweep")
@@ -242,7 +243,7 @@ def test_cli_sweeps_the_pre_check_cannot_expand_are_left_to_hydra(tmp_path: Path
 def test_cli_a_file_in_the_way_of_the_run_directory(tmp_path: Path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "mine").write_text("keep\n")
-    result = run_cli(["run.name=mine", "trainer.steps=1"], cwd=tmp_path, timeout=120)
+    result = cli(["run.name=mine", "trainer.steps=1"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "trmoe: cannot create the run directory runs/mine: a file is in the way"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["mine", "runs"]
@@ -250,10 +251,10 @@ def test_cli_a_file_in_the_way_of_the_run_directory(tmp_path: Path):
 
 
 def test_cli_cfg_job_and_help(tmp_path: Path):
-    result = run_cli(["--cfg", "job", "model=100m", "attention=mha"], cwd=tmp_path, timeout=120)
+    result = cli(["--cfg", "job", "model=100m", "attention=mha"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "hidden_size: 384" in result.stdout and "kind: mha" in result.stdout
-    result = run_cli(["--help"], cwd=tmp_path, timeout=120)
+    result = cli(["--help"], cwd=tmp_path)
     assert result.returncode == 0
     for group in GROUPS:
         assert f"{group}:" in result.stdout
@@ -277,7 +278,7 @@ def test_an_experiment_file_of_ones_own_composes_on_top_of_trmoes_config(tmp_pat
         "trainer:\n  steps: 2000\nrun:\n  name: pilot-mha\n"
     )
     args = ["--config-dir", "myconf", "--config-name", "pilot", "--cfg", "job", "trainer.seed=7"]
-    result = run_cli(args, tmp_path)
+    result = cli(args, tmp_path)
     assert result.returncode == 0, result.stderr
     job = yaml.safe_load(result.stdout)
     chosen = (job["model"]["name"], job["attention"]["kind"], job["run"]["name"])
@@ -286,6 +287,7 @@ def test_an_experiment_file_of_ones_own_composes_on_top_of_trmoes_config(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.subprocess
 def test_help_names_the_app_trmoe_and_offers_no_schema_as_an_option(tmp_path):
     out = run_cli(["--help"], tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("trmoe is powered by Hydra")
@@ -304,7 +306,7 @@ def test_help_names_the_app_trmoe_and_offers_no_schema_as_an_option(tmp_path):
 
 
 def test_cfg_hydra_resolves(tmp_path):
-    out = run_cli(["--cfg", "hydra", "--resolve"], tmp_path)
+    out = cli(["--cfg", "hydra", "--resolve"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "name: trmoe" in out.stdout and "dir: runs/tiny-gqa-modulo_cyclic-" in out.stdout
     assert not (tmp_path / "runs").exists()
@@ -314,7 +316,7 @@ def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
     if shutil.which("srun"):
         pytest.skip("SLURM is installed on this machine (tests/slurm/setup.sh)")
     for args in (["-m", "hydra/launcher=submitit_slurm"], ["-m", "hardware=slurm_1node_8gpu"]):
-        out = run_cli([*args, "trainer.steps=1"], tmp_path)
+        out = cli([*args, "trainer.steps=1"], tmp_path)
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.count("\n") == 1 and "no SLURM on this machine (srun not found)" in out.stderr
         assert list(tmp_path.iterdir()) == []

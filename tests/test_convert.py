@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import cli, compose_config
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.convert import primary_weight
@@ -136,7 +136,7 @@ def test_primary_weight_follows_the_runners_schedule():
 def test_a_converted_reference_checkpoint_gives_the_same_logits(tmp_path):
     model = _trmoe_model()
     torch.save(_reference_checkpoint(model), tmp_path / "checkpoint.pt")
-    out = run_cli(
+    out = cli(
         ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/ref"], tmp_path, module="trmoe.convert"
     )
     assert out.returncode == 0, out.stderr
@@ -197,7 +197,7 @@ def test_settings_trmoe_cannot_express_are_refused_by_name(tmp_path, change, set
     else:
         ckpt = _reference_checkpoint(model, **change)
     torch.save(ckpt, tmp_path / "checkpoint.pt")
-    out = run_cli(
+    out = cli(
         ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/x"], tmp_path, module="trmoe.convert"
     )
     assert out.returncode == 2

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import compose_config, run_cli
-from test_shards import edit_index, make_shard, synthetic_tokens
+from helpers import cli, compose_config, edit_index, make_shard, synthetic_tokens, text_documents
+from presets import DATA_FAST as FAST
 
 from trmoe.config.resolve import to_config
 from trmoe.data.build import build_data
@@ -27,25 +27,8 @@ from trmoe.errors import UserError
 from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
 
+
 # hardware.threads=1: these runs are tiny, and a second intra-op thread only adds wake-ups on a busy machine.
-FAST = [
-    "trainer.seq_len=16",
-    "trainer.eval_batches=2",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-]
-TEXT_WORDS = "the model reads a window of tokens and predicts the next one from its experts".split()
-
-
-def text_documents(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    return [
-        f"Note {i}. " + " ".join(rng.choice(TEXT_WORDS, size=int(rng.integers(8, 40)))) + "."
-        for i in range(n)
-    ]
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """A prepared o200k dataset (train/ + eval/) of 200 short documents."""
@@ -304,7 +287,7 @@ def test_cli_bad_shard_and_bad_parquet_exit_2_and_write_nothing(dataset, tmp_pat
         (["data=fineweb", f"data.path={tmp_path / 'nofield.parquet'}"], "no column 'text' (data.text_field)"),
     ]
     for overrides, expected in cases:
-        result = run_cli([*overrides, "run.name=bad", *FAST], cwd=tmp_path)
+        result = cli([*overrides, "run.name=bad", *FAST], cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not (tmp_path / "runs").exists()

@@ -5,47 +5,14 @@ checkpoint ends where the uninterrupted one does."""
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_ranks, train_losses
 
 from trmoe.run.checkpoint import load_checkpoint
-
-TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "trainer.steps=4",
-    "trainer.log_every=1",
-]
-
-
-def _run(run_dir: Path, overrides: list[str], nproc: int) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trmoe.train"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "trmoe.train"]
-    out = subprocess.run([*cmd, *TINY, *overrides], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (run_dir.parent / f"{run_dir.name}.console").write_text(out.stdout + out.stderr)  # what the user saw
-
-
-def _losses(run_dir: Path) -> list[float]:
-    with open(run_dir / "metrics.csv") as f:
-        return [float(r["train_loss"]) for r in csv.DictReader(f) if int(r["step"]) > 0]
 
 
 @pytest.fixture(scope="module")
@@ -59,32 +26,35 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "fsdp": (["trainer.micro_batch=2", "hardware.strategy=fsdp", "checkpoint.every_steps=2"], 2),
     }
     for name, (overrides, nproc) in cases.items():
-        _run(root / name, overrides, nproc)
+        run_ranks(root / name, overrides, nproc)
     # the FSDP run interrupted after its step-2 checkpoint: the same command resumes from the shards
     resumed = root / "fsdp_resumed"
     shutil.copytree(root / "fsdp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")
-    _run(resumed, cases["fsdp"][0], 2)
+    run_ranks(resumed, cases["fsdp"][0], 2)
     return {name: root / name for name in [*cases, "fsdp_resumed"]}
 
 
-def test_ddp_and_fsdp_equal_the_single_process_run(runs):
-    reference = _losses(runs["single"])
+@pytest.mark.subprocess
+def test_ddp_and_fsdp_equal_the_single_processrun_ranks(runs):
+    reference = train_losses(runs["single"])
     assert len(reference) == 4
     for name in ("ddp", "ddp_accum", "fsdp"):
-        assert _losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-5), name
+        assert train_losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-5), name
 
 
+@pytest.mark.subprocess
 def test_fsdp_resumes_from_its_sharded_checkpoint(runs):
     log = (runs["fsdp_resumed"] / "train.log").read_text()
     assert "resume from step 2" in log, log[-2000:]
-    assert _losses(runs["fsdp_resumed"]) == pytest.approx(_losses(runs["fsdp"]), rel=1e-6, abs=1e-6)
+    assert train_losses(runs["fsdp_resumed"]) == pytest.approx(train_losses(runs["fsdp"]), rel=1e-6, abs=1e-6)
     resumed, whole = load_checkpoint(runs["fsdp_resumed"]), load_checkpoint(runs["fsdp"])
     assert resumed["meta"]["step"] == whole["meta"]["step"] == 4
     for key, value in whole["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.subprocess
 def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
     d = runs["ddp"]
     assert (d / "run_config.json").is_file() and (d / "train.log").is_file()
@@ -100,6 +70,7 @@ def test_one_run_directory_rank_0_writes_and_rank_1_logs(runs):
     assert record["tokens_per_step"] == 4 * 32  # micro x seq x world x accum
 
 
+@pytest.mark.subprocess
 def test_distributed_checkpoints_hold_the_same_weights(runs):
     single = load_checkpoint(runs["single"])
     for name in ("ddp", "fsdp"):
@@ -131,12 +102,13 @@ FSDP_OPTIONS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("option", list(FSDP_OPTIONS))
-def test_fsdp_options_equal_the_single_process_run(tmp_path, option):
+def test_fsdp_options_equal_the_single_processrun_ranks(tmp_path, option):
     overrides, columns = FSDP_OPTIONS[option]
     overrides = [*overrides, "trainer.steps=3"]
-    _run(tmp_path / "single", [*overrides, "trainer.micro_batch=4"], 1)
-    _run(tmp_path / "fsdp", [*overrides, "trainer.micro_batch=2", "hardware.strategy=fsdp"], 2)
+    run_ranks(tmp_path / "single", [*overrides, "trainer.micro_batch=4"], 1)
+    run_ranks(tmp_path / "fsdp", [*overrides, "trainer.micro_batch=2", "hardware.strategy=fsdp"], 2)
     columns = ["train_loss", "grad_norm", *columns]
     single, fsdp = (_figures(_rows(tmp_path / n / "metrics.csv"), columns) for n in ("single", "fsdp"))
     assert len(single["train_loss"]) == 3

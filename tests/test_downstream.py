@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, TRAINING_SENTENCES, compose_config, metrics_rows, run_cli
-from test_resume import DRIVER, assert_same_run
+from helpers import DRIVER, TIMING_COLUMNS, assert_same_run, cli, compose_config, metrics_rows
+from presets import TRAINING_SENTENCES
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
@@ -88,7 +88,7 @@ def test_columns_are_written_and_equal_python_m_trmoe_eval(with_tasks, corpus, t
     for step in (8, 12):
         out = tmp_path / f"{step}.json"
         args = [f"run={with_tasks}", f"step={step}", f"tasks=[{TASK}]", f"include_path={TASKS}"]
-        result = run_cli([*args, "limit=6", f"out={out}"], cwd=tmp_path, module="trmoe.eval")
+        result = cli([*args, "limit=6", f"out={out}"], cwd=tmp_path, module="trmoe.eval")
         assert result.returncode == 0, result.stderr[-3000:]
         figures = json.loads(out.read_text())["results"][TASK]
         row = next(r for r in rows if r["step"] == str(step))
@@ -115,6 +115,7 @@ def test_evaluation_does_not_change_training(with_tasks, corpus, tmp_path):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_resume_keeps_the_columns_bit_identical(with_tasks, corpus, tmp_path):
     args = run_args(corpus, *DOWNSTREAM, "downstream.every=4")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -145,7 +146,7 @@ def test_kill_9_then_resume_keeps_the_columns_bit_identical(with_tasks, corpus, 
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(corpus, tmp_path, extra, message):
-    out = run_cli(run_args(corpus, *extra), tmp_path)
+    out = cli(run_args(corpus, *extra), tmp_path)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr[-2000:]
     assert not (tmp_path / "runs").exists()
@@ -156,7 +157,7 @@ def test_a_sweep_report_tables_the_accuracies_with_paired_intervals(corpus, tmp_
     sweep = tmp_path / "sweep"
     args = [a for a in run_args(corpus, *DOWNSTREAM) if not a.startswith(("run.name", "checkpoint."))]
     args = [a for a in args if not a.startswith(("trainer.steps", "trainer.eval_every"))]
-    out = run_cli(
+    out = cli(
         [
             "--multirun",
             "routing=modulo_cyclic,multi_hash",

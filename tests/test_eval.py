@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
@@ -111,12 +111,12 @@ def test_rolling_loglikelihood_and_generation(lm):
 
 def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
     args = [f"run={text_run}", f"tasks=[{TASK}]", f"include_path={TASKS}", "batch_size=4"]
-    result = run_cli(args, cwd=tmp_path, module="trmoe.eval", timeout=600)
+    result = cli(args, cwd=tmp_path, module="trmoe.eval")
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((text_run / "eval" / "60.json").read_text())
     assert record["step"] == 60 and TASK in record["results"]
     print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
-    again = run_cli(args, cwd=tmp_path, module="trmoe.eval", timeout=600)
+    again = cli(args, cwd=tmp_path, module="trmoe.eval")
     assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
     shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
@@ -132,12 +132,12 @@ def test_the_harness_command_line_knows_model_trmoe(text_run, tmp_path):
         "--tasks",
         TASK,
     ]
-    result = run_cli(
+    result = cli(
         [*args, "--include_path", str(TASKS), "--limit", "2"], cwd=tmp_path, module="trmoe.eval.harness"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trmoe_tiny_mc" in result.stdout and "acc_norm" in result.stdout
-    bad = run_cli(
+    bad = cli(
         [
             "--model",
             "trmoe",

@@ -5,15 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import CONF_DIR, compose_config, run_cli
+from helpers import CONF_DIR, cli, compose_config
 from hydra import compose, initialize_config_module
+from presets import GRID_TINY as TINY_RUN
 
 from trmoe.config.param_match import solve_match
 from trmoe.config.resolve import model_spec, to_config
@@ -26,25 +26,6 @@ PILOT = ["model=100m", "model.gates=false", f"model.match_params={PILOT_TARGET}"
 DENSE = ["model.num_experts=1", "routing.top_k=1", "model.routed_width=0"]
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 # Small enough that the 11-arm smoke grid runs in about a minute on 2 cores (the grid itself runs 150 steps).
-TINY_RUN = [
-    "trainer.steps=2",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=16",
-    "trainer.eval_batches=1",
-    "trainer.eval_every=0",
-    "trainer.log_every=1",
-]
-
-
-def _run_module(module: str, args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300):
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def _grid(name: str):
@@ -175,7 +156,7 @@ def test_attention_matched_grid_is_the_reference_layout():
 
 
 def test_match_cli_prints_every_arm_before_launching(tmp_path, monkeypatch, capsys):
-    result = _run_module("trmoe.match", ["experiment=attention_matched", "--json"], tmp_path)
+    result = cli(["experiment=attention_matched", "--json"], tmp_path, module="trmoe.match")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["match"]["width"], r["match"]["residual"], r["total"]) for r in rows] == [
@@ -236,9 +217,7 @@ def test_match_cli_splits_arms_as_a_shell_does_and_names_what_is_allowed(tmp_pat
 def smoke_sweep(tmp_path_factory) -> Path:
     """routing_ablation_smoke through the CLI, every arm, with a tiny step budget."""
     cwd = tmp_path_factory.mktemp("sweep")
-    result = run_cli(
-        ["-m", "experiment=routing_ablation_smoke", *TINY_RUN, "hydra.sweep.dir=grid"], cwd=cwd, timeout=900
-    )
+    result = cli(["-m", "experiment=routing_ablation_smoke", *TINY_RUN, "hydra.sweep.dir=grid"], cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sweep report" in result.stderr
     return cwd / "grid"
@@ -305,10 +284,9 @@ def test_smoke_sweep_report_has_a_row_per_arm_pairs_checklist_and_plots(smoke_sw
 def test_hash_vs_learned_smoke_grid_runs_and_its_report_lists_every_arm(tmp_path):
     arms = _grid("hash_vs_learned_smoke").hydra.sweeper.params["arm"].split(",")
     assert {a.rsplit("/", 1)[1] for a in arms} == {"dense", "modulo_cyclic", "multi_hash", "learned"}
-    result = run_cli(
+    result = cli(
         ["-m", "experiment=hash_vs_learned_smoke", *TINY_RUN, "hydra.sweep.dir=grid"],
         cwd=tmp_path,
-        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     grid = tmp_path / "grid"
@@ -345,6 +323,7 @@ def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):
         assert rc["params"]["total"] == 12_924_480
 
 
+@pytest.mark.subprocess
 def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
@@ -363,18 +342,17 @@ def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path):
 
 def _extra_dense_run(cwd: Path, name: str, *overrides: str) -> Path:
     """One more run of the grid's dense arm, outside the sweep."""
-    result = run_cli(
+    result = cli(
         ["experiment=routing_ablation_smoke", "arm=routing_ablation/dense", "hydra.mode=RUN", *TINY_RUN,
          *overrides, f"hydra.run.dir={name}"],
         cwd=cwd,
-        timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return cwd / name
 
 
 def _report_warnings(paths: list[Path], out: Path) -> str:
-    result = _run_module("trmoe.report", [*map(str, paths), "--out", str(out), "--no-plots"], out.parent)
+    result = cli([*map(str, paths), "--out", str(out), "--no-plots"], out.parent, module="trmoe.report")
     assert result.returncode == 0, result.stderr
     md = (out / "report.md").read_text()
     return md.split("## Warnings")[1].split("## Runs")[0]
@@ -395,11 +373,10 @@ def test_mismatched_seed_count_and_token_budget_raise_warnings(smoke_sweep, tmp_
 
 
 def test_failed_job_is_reported_and_does_not_stop_the_sweep(tmp_path):
-    result = run_cli(
+    result = cli(
         ["-m", "routing.top_k=1,5,2", "data=random", "model.vocab_size=512", *TINY_RUN, "hardware=cpu",
          "hydra.sweep.dir=sweep"],
         cwd=tmp_path,
-        timeout=300,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert "sweep job 1 failed: config error: routing.top_k=5" in result.stderr
@@ -478,14 +455,14 @@ def test_a_sweep_over_seeds_only_is_one_arm(tmp_path):
     """Each launch is an arm when nothing but the seed was swept: two launches of two seeds each, two arms,
     paired seed by seed (not four one-run arms with disjoint seed sets)."""
     for name, routing in (("mc", "modulo_cyclic"), ("rnd", "random")):
-        result = run_cli(
+        result = cli(
             ["-m", f"routing={routing}", *TINY_RUN, "trainer.seed=1,2", f"hydra.sweep.dir=sweeps/{name}"],
             cwd=tmp_path,
         )
         assert result.returncode == 0, result.stderr[-3000:]
     one = (tmp_path / "sweeps" / "mc" / "report.md").read_text()
     assert "2 runs (2 finished) in 1 arm;" in one and "| 0 | mc | 1 | finished |" in one
-    report = _run_module("trmoe.report", ["sweeps", "--control", "mc", "--no-plots"], tmp_path)
+    report = cli(["sweeps", "--control", "mc", "--no-plots"], tmp_path, module="trmoe.report")
     assert report.returncode == 0, report.stderr
     with open(tmp_path / "sweeps" / "report_pairs.csv", newline="") as f:
         (pair,) = list(csv.DictReader(f))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli, run_cli
 
 pytest.importorskip("transformers")  # the `hf` extra (make test installs it)
 
@@ -100,6 +100,7 @@ def test_tokenizer_encodes_as_trmoe(exported):
     assert tok.decode(ours, skip_special_tokens=False) == MULTILINGUAL
 
 
+@pytest.mark.subprocess
 def test_exported_code_imports_without_trmoe(exported, hf_model, tmp_path):
     ids = [[1, 2, 3, 4, 5]]
     with torch.no_grad():
@@ -122,7 +123,7 @@ print("ok")
 def test_plain_safetensors_format(text_run, tmp_path):
     from safetensors.torch import load_file
 
-    result = run_cli(
+    result = cli(
         [str(text_run), "--out", str(tmp_path / "st"), "--format", "safetensors"],
         cwd=tmp_path,
         module="trmoe.export",
@@ -135,6 +136,7 @@ def test_plain_safetensors_format(text_run, tmp_path):
     assert json.loads((tmp_path / "st" / "config.json").read_text())["step"] == 60
 
 
+@pytest.mark.subprocess
 def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, capsys):
     from trmoe.export.__main__ import main
 

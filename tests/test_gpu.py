@@ -10,7 +10,7 @@ import torch
 import trmoe.model.moe as moe
 from trmoe.bench.ffn import tr_ffn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
 
 # multi_hash tables group the routed rows by expert, modulo_cyclic ones by route tuple (trmoe/model/moe.py)

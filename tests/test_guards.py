@@ -8,12 +8,8 @@ import os
 
 import pytest
 import torch
-from helpers import (
-    RESUME_SMALL,
-    assert_latest_sane,
-    metrics_rows,
-    train_in_process,
-)
+from helpers import assert_latest_sane, metrics_rows, train_in_process
+from presets import RESUME_SMALL
 
 from trmoe.errors import RunFailed
 from trmoe.run.checkpoint import load_checkpoint, read_pointer

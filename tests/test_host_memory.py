@@ -41,6 +41,7 @@ def _faults(setting: str) -> list[int]:
     return [int(n) for n in out.stdout.split()][-8:]
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only"
 )
@@ -51,6 +52,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert sum(_faults("on")) < PAGES // 20
 
 
+@pytest.mark.subprocess
 def test_deterministic_mode_does_not_nan_fill_fresh_tensors():
     # A fresh 64 MiB mapping comes zeroed from the OS; the deterministic mode's debugging fill makes it NaN.
     probe = (

@@ -7,22 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compose_config
+from presets import HOST_SYNC_RUN as FAST
 
 from trmoe.train.loop import train
 
-FAST = [
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "trainer.eval_batches=1",
-    "trainer.eval_every=0",  # held-out evaluation at the end only
-    "trainer.log_every=1000",  # metrics rows at step 1 and the last step only
-    "checkpoint.every_steps=0",
-    "hardware=cpu",
-    "run.progress=log",
-    "data=random",
-    "model=tiny",
-    "model.vocab_size=512",
-]
 GUARDS_OFF = ["guard.skip_nonfinite=false", "guard.spike_factor=0"]
 READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 

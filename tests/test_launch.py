@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    RESUME_BASE,
-    RESUME_SMALL,
-    assert_same_run,
-    metrics_rows,
-    run_cli,
-    train_in_process,
-    tree_digest,
-)
+from helpers import assert_same_run, cli, metrics_rows, train_in_process, tree_digest
+from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
 from trmoe.run.checkpoint import load_checkpoint
@@ -188,9 +181,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_any_write(sm
     newest = run_dir / "checkpoints" / "step_00000004"
     _edit_meta(newest, lambda meta: meta["config"]["model"].update(new_key=1))  # another trmoe's config
     before = tree_digest(run_dir)
-    result = run_cli(
-        [*RESUME_BASE, *EXTEND, "model.shared_width=128", "trainer.force_resume=true"], cwd=tmp_path
-    )
+    result = cli([*RESUME_BASE, *EXTEND, "model.shared_width=128", "trainer.force_resume=true"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("trmoe: ")]
     assert len(errors) == 1 and "Traceback" not in result.stderr

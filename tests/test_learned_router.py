@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TIMING_COLUMNS, compose_config, metrics_rows, run_cli
+from presets import LEARNED_RUN as RUN
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.model.moe import TRMoEFFN, swiglu
@@ -114,6 +115,7 @@ def test_router_parameters_are_counted_total_and_active():
     assert "blocks.0.ffn.routed.route_table" not in model.state_dict()
 
 
+@pytest.mark.subprocess
 def test_match_prints_the_learned_arm(tmp_path):
     out = run_cli(
         ["model=tiny", "model.gates=false", "--arm", "routing=modulo_cyclic", "--arm", "routing=learned"],
@@ -129,22 +131,8 @@ def test_match_prints_the_learned_arm(tmp_path):
 
 # ------------------------------------------------------------------------------------------ training
 
-RUN = [
-    "data=random",
-    "model.vocab_size=512",
-    "routing=learned",
-    "routing.z_weight=0.001",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "telemetry.moe=true",
-]
 
-
+@pytest.mark.subprocess
 def test_kill_then_resume_is_bit_exact(tmp_path):
     args = [*RUN, "run.name=r", "trainer.micro_batch=2", "trainer.steps=8", "trainer.log_every=1"]
     args += ["checkpoint.every_steps=4"]
@@ -199,6 +187,7 @@ def _launch(run_dir: Path, overrides: list[str], nproc: int) -> subprocess.Compl
     )
 
 
+@pytest.mark.subprocess
 def test_ddp_and_fsdp_equal_the_single_process_over_the_same_micro_batches(tmp_path):
     """The loss terms are per micro-batch (the reference's form, no collective in the forward): one process
     accumulating micro-batches [0, 1] and [2, 3] equals two ranks holding one each."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import compose_config
+from presets import LOSS_FAST as FAST
 
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import LossBackend, LossConfig
@@ -22,16 +23,6 @@ CPU = torch.device("cpu")
 NEEDS_TORCH_LCE = pytest.mark.skipif(
     not hasattr(F, "linear_cross_entropy"), reason=f"torch {torch.__version__} has no F.linear_cross_entropy"
 )
-FAST = [
-    "trainer.micro_batch=4",
-    "trainer.seq_len=32",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "data=random",
-    "model.vocab_size=512",
-]
 
 
 @pytest.fixture(autouse=True)

@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_config, metrics_rows, run_cli
-from test_resume import DRIVER, assert_same_run
+from helpers import DRIVER, assert_same_run, cli, compose_config, metrics_rows
 
 from trmoe.config.resolve import to_config
 from trmoe.data.build import build_data
@@ -198,6 +197,7 @@ def test_per_source_eval_columns_and_epochs_are_recorded(trained):
     assert "eval_loss/code" in record["metrics_columns"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("fault, checkpoint", [("step:6:forward", 4), ("step:8:after", 8)])
 def test_kill_9_then_resume_is_bit_exact(corpora, trained, tmp_path, fault, checkpoint):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -234,6 +234,7 @@ def test_a_weight_change_on_resume_is_refused_unless_forced(corpora, trained, tm
     assert record["resumes"][-1]["forced"]["data.sources.help.weight"] == [0.8, 0.7]
 
 
+@pytest.mark.subprocess
 def test_two_ranks_equal_one_at_the_same_global_batch(corpora, trained, tmp_path):
     run_dir = tmp_path / "ddp"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
@@ -290,7 +291,7 @@ def test_the_report_tables_each_source_per_arm(trained, tmp_path):
     ],
 )
 def test_bad_mixtures_are_one_line_exit_2_nothing_written(tmp_path, overrides, message):
-    out = run_cli(["data=mixture", *overrides, "run.name=bad", "hardware=cpu"], tmp_path)
+    out = cli(["data=mixture", *overrides, "run.name=bad", "hardware=cpu"], tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -311,7 +312,7 @@ def test_a_source_of_another_tokenizer_is_refused(tmp_path):
         "documents": 64, "text_bytes": 0, "source": {},
     }  # fmt: skip
     (shard / "tokens.idx.json").write_text(json.dumps(index))
-    out = run_cli(
+    out = cli(
         [
             "data=mixture",
             "+data.sources={help: {source: embedded, weight: 1}, "

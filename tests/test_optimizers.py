@@ -380,6 +380,7 @@ def _ddp_worker(rank: int, world: int, data, steps: int, out: str) -> None:
         distributed.shutdown()  # as the train app ends a job (see its docstring: a gloo teardown race)
 
 
+@pytest.mark.subprocess
 def test_ddp_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
     """Every optimizer under DDP (2 gloo ranks, half the batch each) == one process with the whole batch;
     and the telemetry's grad norms and token counters are those of the whole batch."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,6 +37,7 @@ def test_version_comes_from_the_package_metadata():
     )
 
 
+@pytest.mark.subprocess
 def test_provenance_names_trmoes_checkout_only(tmp_path, monkeypatch):
     """The commit recorded is this checkout's; a trmoe that lies inside another git repository (a venv in the
     user's project) records none: that repository's commit says nothing about trmoe's code."""

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config, run_cli
+from helpers import cli, compose_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from trmoe.config.resolve import model_spec, to_config
@@ -283,17 +283,16 @@ def test_parse_count_accepts_the_usual_spellings():
 
 def test_cli_prints_json_writes_nothing_and_bad_input_exits_2(tmp_path):
     # options may come between the overrides
-    done = run_cli(
+    done = cli(
         ["model=1b", "--tokens", "20e9", "hardware=slurm_4node_8gpu", "--json"],
         tmp_path,
-        timeout=300,
         module="trmoe.plan",
     )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["model"]["params"]["total"] == 1_030_812_200 and plan["hardware"]["world"] == 32
     assert plan["run"]["steps"] == math.ceil(20e9 / plan["batch"]["tokens_per_step"])
-    bad = run_cli(["model=1b", "trainer.nope=1"], tmp_path, timeout=300, module="trmoe.plan")
+    bad = cli(["model=1b", "trainer.nope=1"], tmp_path, module="trmoe.plan")
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no run directory, no outputs/, no .hydra
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import cli
 
 from trmoe.data.corpus import is_eval_document
 from trmoe.data.prepare import prepare
@@ -49,13 +49,7 @@ def decode_documents(tokens: np.ndarray) -> list[str]:
 
 
 def run_prepare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trmoe.data.prepare", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli(args, cwd, module="trmoe.data.prepare")
 
 
 def test_round_trip_split_rule_and_disjointness(tmp_path):
@@ -249,9 +243,7 @@ def test_usage_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
 
     (tmp_path / "c.txt").write_text("one document\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
+    assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith(f"trmoe: {needle}; allowed: see python -m trmoe.")
     assert len(captured.err.splitlines()) == 1, captured.err

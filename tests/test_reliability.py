@@ -18,24 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import compose_config, run_cli, wait_until
-from test_data_pipeline import FAST, text_documents
-from test_resume import _descendants
+from helpers import cli, compose_config, descendants, run_cli, text_documents, wait_until
+from presets import DATA_FAST as FAST
+from presets import RELIABILITY_TINY as TINY
 
 from trmoe.errors import RunFailed, UserError
 from trmoe.run.lock import LOCK_FILE, RunLock, read_holder
 from trmoe.train.loop import train
 
-TINY = [
-    "data=random",
-    "model.vocab_size=512",
-    "trainer.micro_batch=2",
-    "trainer.seq_len=32",
-    "trainer.eval_batches=1",
-    "run.progress=log",
-    "hardware=cpu",
-    "hardware.threads=1",
-]
 # first attempt: 2 steps of a 4-step horizon; the resume (trainer.steps=4) keeps the schedules' past
 FIRST = ["trainer.steps=2", "checkpoint.every_steps=2", "optimizer.decay_steps=4", "optimizer.warmup_steps=1"]
 SECOND = [*FIRST[1:], "trainer.steps=4"]
@@ -75,6 +65,7 @@ def _rows_written(run_dir: Path, rows: int) -> bool:
 # ----------------------------------------------------------------------------------- one launch per run
 
 
+@pytest.mark.subprocess
 def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(tmp_path):
     run_dir = tmp_path / "runs" / "live"
     live = _spawn([*TINY, "run.name=live", "trainer.steps=100000", "checkpoint.every_steps=2"], tmp_path)
@@ -83,9 +74,7 @@ def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(t
         holder = read_holder(run_dir)
         assert holder["pid"] == live.pid and holder["host"]
         # the same name (another config, too), while the first launch trains
-        second = run_cli(
-            [*TINY, "run.name=live", "trainer.steps=3", "trainer.seed=2"], cwd=tmp_path, timeout=300
-        )
+        second = cli([*TINY, "run.name=live", "trainer.steps=3", "trainer.seed=2"], cwd=tmp_path)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in second.stderr
@@ -108,6 +97,7 @@ def test_a_second_launch_of_a_live_run_is_refused_and_a_dead_one_keeps_no_lock(t
     assert not (run_dir / LOCK_FILE).exists()  # released: the file goes with it
 
 
+@pytest.mark.subprocess
 def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_holds(tmp_path, monkeypatch):
     """On a shared filesystem a node that is lost can keep its lock until the server's lease ends; the same
     SLURM job, requeued (SLURM starts it only after the first attempt ended), must still resume its own
@@ -140,6 +130,7 @@ def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_hol
         holder.wait(30)
 
 
+@pytest.mark.subprocess
 def test_default_run_names_and_sweep_directories_are_unique_within_one_second(tmp_path):
     """Three default-named launches started together get three directories (before: one, by the clock's
     second); each composition resolves its own name once (one launch, one value)."""
@@ -226,6 +217,7 @@ def test_a_parquet_file_edited_to_the_same_size_is_refused_on_resume(tmp_path):
 # --------------------------------------------------------------------------------- signals from a terminal
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_ctrl_c_and_a_closed_terminal_stop_at_a_step_boundary_like_sigterm(tmp_path, signum, code):
     run_dir = tmp_path / "runs" / "r"
@@ -269,6 +261,7 @@ def _leftovers(root: Path) -> list[str]:
     )
 
 
+@pytest.mark.subprocess
 def test_a_disk_that_fills_mid_run_then_read_only(tmpfs):
     # checkpoints of ~1.9 MB every 2 steps, all kept: the 6 MiB fill after the second
     args = [*TINY, "run.name=full", "trainer.steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
@@ -303,6 +296,7 @@ def test_a_disk_that_fills_mid_run_then_read_only(tmpfs):
     ]
 
 
+@pytest.mark.subprocess
 def test_a_full_disk_at_launch_is_one_line_and_leaves_nothing_half_written(tmpfs):
     filler = tmpfs / "filler"
     with open(filler, "wb") as f:  # leave ~12 KiB
@@ -354,6 +348,7 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("signals", "when", "code"),
     [
@@ -381,7 +376,7 @@ def test_prepare_interrupted_ends_promptly_and_removes_what_it_says(tmp_path, si
         wait_until(partial.exists, "the partial shard", proc)
     else:
         wait_until(lambda: partial.exists() and partial.stat().st_size > 0, "tokens written", proc)
-    workers = _descendants(proc.pid)
+    workers = descendants(proc.pid)
     for signum in signals:
         os.killpg(proc.pid, signum)
     out_text = proc.communicate(timeout=60)[0]  # promptly: it once waited ten minutes
@@ -419,7 +414,7 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
         f"hydra.sweep.dir={sweep}",
         "hydra.callbacks.report.control='optimizer.lr=0.003'",
     ]
-    result = run_cli(args, cwd=tmp_path, timeout=900)
+    result = cli(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (sweep / "report.md").read_text()
     assert "2 run(s) diverged (left out of the paired comparison)" in report
@@ -440,7 +435,7 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
     final = _status(control)["final_eval_loss"]
     metrics = control / "metrics.csv"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # header + step 0
-    again = run_cli([str(sweep), "--no-plots"], cwd=tmp_path, timeout=300, module="trmoe.report")
+    again = cli([str(sweep), "--no-plots"], cwd=tmp_path, module="trmoe.report")
     assert again.returncode == 0, again.stderr
     text = (sweep / "report.md").read_text()
     assert "metrics.csv ends at step 0, but status.json says finished at step 4 (truncated?)" in text
@@ -483,16 +478,14 @@ def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_noth
     conf = tmp_path / "conf" / "model"
     conf.mkdir(parents=True)
     (conf / "bad.yaml").write_text("defaults:\n  - base_model\nname: bad\nhidden_size: [1,\n")
-    result = run_cli(["--config-dir", str(tmp_path / "conf"), "model=bad"], cwd=tmp_path, timeout=300)
+    result = cli(["--config-dir", str(tmp_path / "conf"), "model=bad"], cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"trmoe: config error: {conf / 'bad.yaml'}: line 5, column 1: not valid YAML "
         "(expected the node content, but found '<stream end>')"
     )
     # an allocation that would fail after the run directory holds its records: sized first
-    huge = run_cli(
-        ["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path, timeout=300
-    )
+    huge = cli(["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path)
     assert huge.returncode == 2 and "Traceback" not in huge.stderr, huge.stderr[-3000:]
     assert huge.stderr.strip().startswith(
         "trmoe: model tiny: its weights, gradients and optimizer state need"
@@ -500,6 +493,7 @@ def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_noth
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]
 
 
+@pytest.mark.subprocess
 def test_prepare_names_the_jsonl_position_quotes_its_hint_and_names_symlinks_as_matched(tmp_path):
     from trmoe.data.prepare import discover_inputs, prepare, train_override
 

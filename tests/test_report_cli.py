@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config, run_cli
+from helpers import cli, compose_config
+from presets import FAST_CPU
 
 # Two steps of a tiny model on random tokens: a real run directory in well under a second.
 TINY = [*FAST_CPU, "trainer.steps=2", "trainer.micro_batch=2", "trainer.eval_every=0", "trainer.log_every=1"]
@@ -30,7 +31,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def _report(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run_cli(list(args), cwd=cwd, timeout=120, module="trmoe.report")
+    return cli(list(args), cwd=cwd, module="trmoe.report")
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -19,18 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    RESUME_BASE,
-    RESUME_SMALL,
-    assert_latest_sane,
-    assert_same_run,
-    metrics_rows,
-    train_in_process,
-)
+from helpers import DRIVER, assert_latest_sane, assert_same_run, descendants, metrics_rows, train_in_process
+from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.run.checkpoint import load_checkpoint, read_pointer
-
-DRIVER = Path(__file__).with_name("resume_driver.py")
 
 # (fault injected by tests/resume_driver.py, what the rerun must do: "restart" or the checkpoint step)
 KILLS = [
@@ -136,6 +128,7 @@ def test_nonfinite_steps_stop_the_run_with_exit_3_and_a_good_checkpoint(faulted)
             assert torch.equal(last["optimizer"]["state"][index][name], value)
 
 
+@pytest.mark.subprocess
 def test_kill_9_twice_then_resume_is_bit_exact(tmp_path, baseline):
     first = _drive("step:6:forward", tmp_path)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
@@ -166,6 +159,7 @@ def _wait_formetrics_rows(metrics_glob, cwd: Path, rows: int, proc: subprocess.P
     return None
 
 
+@pytest.mark.subprocess
 def test_kill_9_from_outside_at_a_random_moment(tmp_path, baseline_every_row):
     """The plain CLI killed by another process at whatever instant it has reached (not chosen)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -187,14 +181,7 @@ def test_kill_9_from_outside_at_a_random_moment(tmp_path, baseline_every_row):
     assert_same_run(run_dir, baseline_every_row)
 
 
-def _descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids = (task / "children").read_text().split()
-        children += [int(k) for k in kids]
-    return [d for c in children for d in (c, *_descendants(c))]
-
-
+@pytest.mark.subprocess
 def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
     """hydra-submitit-launcher (local executor, a real submitit job): SIGUSR2 to the job's process ->
     trmoe saves at the step boundary and hands the signal to submitit's handler, which pickles the job
@@ -220,7 +207,7 @@ def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
         assert metrics is not None, proc.communicate()[0][-3000:]
         jobs = [
             pid
-            for pid in _descendants(proc.pid)
+            for pid in descendants(proc.pid)
             if "submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
         ]
         assert len(jobs) == 1, jobs

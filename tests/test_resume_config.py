@@ -8,15 +8,8 @@ import json
 import os
 
 import pytest
-from helpers import (
-    RESUME_BASE,
-    RESUME_SMALL,
-    compose_config,
-    metrics_rows,
-    run_cli,
-    train_in_process,
-    tree_digest,
-)
+from helpers import cli, compose_config, metrics_rows, train_in_process, tree_digest
+from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
 from trmoe.run.checkpoint import load_checkpoint
@@ -85,7 +78,7 @@ def test_mismatch_exits_2_from_the_cli(small_run, tmp_path):
     run_dir.parent.mkdir()
     os.symlink(small_run, run_dir)
     before = tree_digest(small_run)
-    result = run_cli([*RESUME_BASE, *RESUME_SMALL, "optimizer.lr=1e-2"], cwd=tmp_path)
+    result = cli([*RESUME_BASE, *RESUME_SMALL, "optimizer.lr=1e-2"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "optimizer.lr" in result.stderr and "0.003 -> 0.01" in result.stderr
     assert tree_digest(small_run) == before

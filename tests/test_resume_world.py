@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_distributed import _losses, _run
+from helpers import run_ranks, train_losses
 
 CADENCE = ["trainer.log_every=3", "checkpoint.every_steps=2"]
 LAYOUT = {  # the same global batch of 4 samples
@@ -26,10 +26,11 @@ def whole(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("world")
     for name in ("single", "ddp"):
         overrides, nproc = LAYOUT[name]
-        _run(root / name, [*overrides, *CADENCE], nproc)
+        run_ranks(root / name, [*overrides, *CADENCE], nproc)
     return {"single": root / "single", "ddp": root / "ddp"}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("start, resume", [("single", "ddp"), ("single", "fsdp"), ("ddp", "single")])
 def test_a_run_resumes_with_another_number_of_ranks(whole, tmp_path, start, resume):
     run = tmp_path / f"{start}_to_{resume}"
@@ -37,8 +38,8 @@ def test_a_run_resumes_with_another_number_of_ranks(whole, tmp_path, start, resu
     shutil.rmtree(run / "checkpoints" / "step_00000004")  # as if stopped after the step-2 checkpoint
     (run / "checkpoints" / "latest").write_text("step_00000002\n")
     overrides, nproc = LAYOUT[resume]
-    _run(run, [*overrides, *CADENCE], nproc)
+    run_ranks(run, [*overrides, *CADENCE], nproc)
     assert "resume from step 2" in (run / "train.log").read_text()
-    reference = _losses(whole[start])
+    reference = train_losses(whole[start])
     assert len(reference) == 3  # steps 1, 3, 4
-    assert _losses(run) == pytest.approx(reference, rel=1e-5, abs=1e-5)
+    assert train_losses(run) == pytest.approx(reference, rel=1e-5, abs=1e-5)

@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import FAST_CPU, TRAINING_SENTENCES, compose_config, run_cli
+from helpers import cli, compose_config
+from presets import FAST_CPU, TRAINING_SENTENCES
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.generate import Sampling, generate
@@ -122,7 +123,7 @@ def test_sample_cli_writes_jsonl(text_run, tmp_path):
     out = tmp_path / "samples.jsonl"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The cat sat\nWater boils\n")
-    result = run_cli(
+    result = cli(
         [
             str(text_run),
             "--prompt-file",
@@ -135,7 +136,6 @@ def test_sample_cli_writes_jsonl(text_run, tmp_path):
         ],
         cwd=tmp_path,
         module="trmoe.sample",
-        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -213,7 +213,7 @@ def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
     assert main([str(text_run), "--prompt", "x", "--out", str(existing)]) == 2
     assert existing.read_text() == "keep\n"
     # and through the real command line
-    _one_line(run_cli(["--step", "x"], cwd=tmp_path, module="trmoe.sample"), "python -m trmoe.sample")
+    _one_line(cli(["--step", "x"], cwd=tmp_path, module="trmoe.sample"), "python -m trmoe.sample")
 
 
 def test_random_id_runs_are_refused_for_text(tmp_path, one_thread, capsys):

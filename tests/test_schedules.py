@@ -9,7 +9,8 @@ import math
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config
+from helpers import compose_config
+from presets import FAST_CPU
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import DiversityTarget

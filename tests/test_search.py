@@ -7,7 +7,8 @@ import json
 import re
 
 import yaml
-from helpers import TINY_RUN, run_cli
+from helpers import cli
+from presets import TINY_RUN
 
 SEARCH = [
     "hparams_search=lr_warmup",
@@ -21,7 +22,7 @@ SEARCH = [
 
 
 def test_optuna_search_minimises_the_returned_loss_and_reports_trials(tmp_path):
-    out = run_cli(SEARCH, tmp_path)
+    out = cli(SEARCH, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     finals = {

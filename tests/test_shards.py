@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SYNTH, edit_index, make_shard, synthetic_tokens
 
 from trmoe.data.sampler import WindowSampler
 from trmoe.data.shards import (
@@ -20,32 +21,8 @@ from trmoe.data.shards import (
     open_shard,
     read_index,
     verify_shard,
-    write_shard,
 )
 from trmoe.errors import UserError
-
-SYNTH = dict(vocab_size=512, tokenizer="synthetic", tokenizer_sha256=None, eos_id=0, source={"kind": "test"})
-
-
-def synthetic_tokens(n: int, vocab: int = 512, seed: int = 0, doc_len: int = 37) -> np.ndarray:
-    """Ids in [1, vocab) with EOS (0) closing a document every doc_len tokens (the last token is EOS)."""
-    tokens = np.random.default_rng(seed).integers(1, vocab, size=n).astype(np.int64)
-    tokens[doc_len - 1 :: doc_len] = 0
-    tokens[-1] = 0
-    return tokens
-
-
-def make_shard(directory: Path, tokens: np.ndarray, partition: str = "train", **overrides) -> dict:
-    meta = {**SYNTH, **overrides}
-    documents = int((tokens == meta["eos_id"]).sum()) if meta["eos_id"] is not None else 0
-    return write_shard(directory, tokens, partition=partition, documents=documents, **meta)
-
-
-def edit_index(directory: Path, **changes) -> None:
-    path = directory / INDEX_NAME
-    index = json.loads(path.read_text())
-    index.update(changes)
-    path.write_text(json.dumps(index))
 
 
 def test_dtype_follows_the_vocab():

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN, finish, metrics_rows, wait_until
+from helpers import finish, metrics_rows, wait_until
+from presets import TINY_RUN
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,7 @@ def _squeue(env, job: str, fmt: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.subprocess
 def test_sweep_and_requeue_on_a_real_slurm(slurm, tmp_path):
     # The sweep, and beside it (the node has room for both) a third job with job 0's config that
     # `scontrol requeue` interrupts once it trains. It has no periodic checkpoints: it can only resume from

@@ -9,7 +9,8 @@ import json
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config, watch_training
+from helpers import compose_config, watch_training
+from presets import FAST_CPU
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trmoe.config.resolve import model_spec, to_config

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, TINY_RUN, finish, metrics_rows, wait_until
+from helpers import TIMING_COLUMNS, descendants, finish, metrics_rows, wait_until
+from presets import TINY_RUN
 
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.runtime import distributed
@@ -48,21 +49,11 @@ def _sweep(sweep_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    children = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            children += [int(k) for k in (task / "children").read_text().split()]
-    except FileNotFoundError:  # exited meanwhile
-        return []
-    return [d for c in children for d in (c, *_descendants(c))]
-
-
 def _tasks_of(proc: subprocess.Popen, run_dir: Path) -> list[int]:
     """The submitit tasks (ranks) of the sweep job that writes run_dir: the `python -m submitit.core._submit`
     processes with a log file of that directory open (rank 0 train.log, rank r logs/rank_<r>.log)."""
     tasks = []
-    for pid in _descendants(proc.pid):
+    for pid in descendants(proc.pid):
         try:
             if "submitit.core._submit" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
                 continue
@@ -135,6 +126,7 @@ def test_ranks_of_a_submitit_local_task(monkeypatch, inherited):
         os.environ.update(saved)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_timeout_requeues_both_ranks_and_resumes(tmp_path):
     sweep_dir = tmp_path / "sweep"

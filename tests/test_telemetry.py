@@ -8,7 +8,8 @@ import logging
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config, watch_training
+from helpers import compose_config, watch_training
+from presets import FAST_CPU
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.config.schema import Progress

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from helpers import FAST_CPU, compose_config, metrics_rows
+from helpers import compose_config, metrics_rows
+from presets import FAST_CPU
 
 from trmoe.config.resolve import model_spec, to_config
 from trmoe.errors import RunFailed, UserError

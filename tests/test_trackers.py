@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TIMING_COLUMNS, TINY_RUN, compose_config, run_cli
+from helpers import DRIVER, TIMING_COLUMNS, cli, compose_config
+from presets import TINY_RUN
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
 from trmoe.train.observe import trackers
 
-DRIVER = Path(__file__).with_name("resume_driver.py")
 RUN = [
     *TINY_RUN,
     "hardware=cpu",
@@ -93,6 +93,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("fault,relogged,says", KILLS)
 def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_path, fault, relogged, says):
     chosen = ["logger=[tensorboard,mlflow]", "telemetry.moe=true"]
@@ -157,6 +158,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
                 assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g
 
 
+@pytest.mark.subprocess
 def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
     """W&B offline writes <run dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (a protobuf record log that
     `wandb sync` uploads); offline there is no API to read the history back (wandb 0.31 has no Python reader
@@ -200,5 +202,5 @@ def test_logger_options_compose_alone_and_together(tmp_path):
     both = to_config(compose_config("logger=[tensorboard,mlflow]")).logger
     assert trackers.chosen(both) == ["tensorboard", "mlflow"]
     assert to_config(compose_config("logger=wandb")).logger.wandb.mode.value == "offline"
-    out = run_cli(["logger=nosuch"], tmp_path)
+    out = cli(["logger=nosuch"], tmp_path)
     assert out.returncode == 2 and "allowed: csv, mlflow, tensorboard, wandb" in out.stderr

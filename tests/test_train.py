@@ -11,21 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, metrics_rows, run_cli
+from helpers import cli, compose_config, metrics_rows
+from presets import TRAIN_FAST as FAST
 
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.run.records import METRIC_COLUMNS
 from trmoe.train.loop import train
-
-FAST = [
-    "trainer.micro_batch=4",
-    "trainer.seq_len=64",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=5",
-    "trainer.eval_batches=2",
-    "hardware=cpu",
-    "run.progress=log",
-]
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +150,7 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
         for i in range(60)
     ]
     corpus.write_text("\n\n".join(docs))
-    result = run_cli(
+    result = cli(
         [
             "data=text",
             "data.text_path=corpus.txt",
@@ -185,7 +176,7 @@ def test_cli_text_data_relative_path_from_another_directory(tmp_path):
 
 
 def test_cli_multirun_writes_one_directory_per_job(tmp_path):
-    result = run_cli(
+    result = cli(
         [
             "--multirun",
             "routing=modulo_cyclic,multi_hash",
@@ -241,6 +232,7 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
     assert all(math.isfinite(float(r["train_loss"])) for r in rows[1:])
 
 
+@pytest.mark.subprocess
 def test_log_lines_print_above_the_progress_bar(tmp_path):
     """run.progress=bar: the log lines (evaluations, checkpoints) print on lines of their own, not into
     the bar's line. stdout (the log) and stderr (the bar) share one pipe here, as they share a terminal."""

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from presets import TINY_RUN
 
 import trmoe
 
@@ -33,6 +33,7 @@ def _run(cmd: list, cwd: Path, timeout: int = 600) -> subprocess.CompletedProces
     return out
 
 
+@pytest.mark.subprocess
 def test_the_wheel_of_a_clean_checkout_trains_sweeps_reports_and_logs(tmp_path):
     clone = tmp_path / "clone"
     _run(["git", "clone", "-q", "--no-hardlinks", ROOT, clone], tmp_path)

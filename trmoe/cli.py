@@ -1,12 +1,18 @@
 """The command lines of trmoe's tools: bad input is one line on stderr and exit code 2, like every other user
-error, instead of argparse's usage block. Kept free of torch so that parsing stays instant."""
+error, instead of argparse's usage block. Kept free of torch so that parsing stays instant.
+
+Every entry point is `main(argv: list[str] | None = None) -> int`, `return run(_main, argv)`: the one place
+that turns a UserError (exit code 2) or a RunFailed (3) into its line on stderr, so that a tool, a console
+script and a test calling `main([...])` in-process see the same exit code and the same line."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from trmoe.errors import UserError
+from trmoe.errors import RunFailed, UserError
 
 
 class Parser(argparse.ArgumentParser):
@@ -17,3 +23,35 @@ class Parser(argparse.ArgumentParser):
         if "allowed" not in message and "choose from" not in message:
             message += f"; allowed: see {self.prog} --help"
         raise UserError(f"{self.prog.removeprefix('python -m trmoe.')}: {message}")
+
+
+def fail(error: UserError | RunFailed) -> int:
+    """`error` as its one line on stderr ("trmoe: <message>"); its exit code."""
+    print(f"trmoe: {error}", file=sys.stderr)
+    return error.exit_code
+
+
+def exit_code(code: object) -> int:
+    """The exit status a SystemExit(code) gives the process: None is 0, a number itself, anything else (a
+    message) is printed on stderr and is 1, as the interpreter does it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) -> int:
+    """The exit code of a tool's `main(argv)` (sys.argv[1:] when argv is None): the int it returns (0 when
+    it returns anything else, e.g. its result);
+    a UserError or RunFailed as one line on stderr and its code; a SystemExit (--help, a signal's 128 + n)
+    as its code. Anything else is a bug and keeps its traceback."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = main(args)
+    except (UserError, RunFailed) as e:
+        return fail(e)
+    except SystemExit as e:
+        return exit_code(e.code)
+    return code if isinstance(code, int) else 0

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.durable import staged_dir, write_file
 from trmoe.errors import UserError
@@ -293,16 +294,16 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = Parser(prog="python -m trmoe.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["reference"], help="what the checkpoint comes from")
     parser.add_argument("checkpoint", help="the old runner's step_*/checkpoint.pt")
     parser.add_argument("--out", required=True, help="the new run directory (runs/<name>)")
-    try:
-        args = parser.parse_args(argv)
-        out = convert_reference(args.checkpoint, args.out)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(argv)
+    out = convert_reference(args.checkpoint, args.out)
     print(f"converted {args.checkpoint} -> {out}")
     return 0
 

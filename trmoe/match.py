@@ -20,7 +20,7 @@ import json
 import shlex
 import sys
 
-from trmoe.cli import Parser
+from trmoe.cli import Parser, run
 from trmoe.errors import UserError
 
 
@@ -121,6 +121,10 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = Parser(
         prog="python -m trmoe.match",
         description="Solved widths and total/active parameters of every arm, before launching.",
@@ -128,12 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm; a,b sweeps them")
     parser.add_argument("--arm", "-a", action="append", default=[], help='one arm: "key=value key=value"')
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    try:
-        args = parser.parse_args(argv)
-        arms = expand_arms(args.overrides, args.arm)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
+    args = parser.parse_args(argv)
+    arms = expand_arms(args.overrides, args.arm)
     rows = [solve_arm(a) for a in arms]
     print(json.dumps(rows, indent=2) if args.json else render(rows), end="" if not args.json else "\n")
     return 2 if any("error" in r for r in rows) else 0

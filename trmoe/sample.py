@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.durable import write_file
@@ -118,12 +119,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run(argv)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
+    return cli.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from trmoe.bench.common import Parser, results_path, run_cli
+from trmoe.bench.common import Parser, results_path
+from trmoe.cli import run
 from trmoe.errors import UserError, file_in_the_way
 
 BENCHES = ("ffn", "dispatch", "loss", "step", "data", "decode")
@@ -49,7 +50,7 @@ def _bench(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(_bench, sys.argv[1:] if argv is None else argv)
+    return run(_bench, argv)
 
 
 if __name__ == "__main__":

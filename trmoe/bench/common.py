@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,21 +15,10 @@ from pathlib import Path
 import torch
 
 from trmoe.cli import Parser
-from trmoe.errors import UserError
 from trmoe.model.routing import STRATEGIES
 
 RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype of the layer benchmarks takes
-
-
-def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> int:
-    """The exit code of a benchmark's `main(argv)`: bad input (UserError) is one line on stderr and code 2."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
 
 
 def positive_int(text: str) -> int:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trmoe.bench.common import Parser, positive_int, record, run_cli
+from trmoe import cli
+from trmoe.bench.common import Parser, positive_int, record
 from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError, file_in_the_way
 
@@ -260,4 +261,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, sys.argv[1:]))
+    sys.exit(cli.run(main))

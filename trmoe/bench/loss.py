@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from trmoe.bench.common import Parser, add_device, positive_int, record, run_cli
+from trmoe import cli
+from trmoe.bench.common import Parser, add_device, positive_int, record
 from trmoe.config.schema import LossBackend
 from trmoe.data.tokenizer import O200K_VOCAB
 
@@ -149,4 +150,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, sys.argv[1:]))
+    sys.exit(cli.run(main))

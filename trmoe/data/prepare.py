@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.documents import first_line, open_parquet
@@ -506,16 +507,20 @@ def _parser() -> Parser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for stop in STOPS[1:]:  # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once)
-        signal.signal(stop, _interrupt)
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    # SIGTERM / SIGHUP clean up like Ctrl-C (by default they end the process at once); a caller's own
+    # handlers (main called in-process) are back afterwards
+    previous = {stop: signal.signal(stop, _interrupt) for stop in STOPS[1:]}
     try:
         if argv[:1] == ["verify"]:
             verify = Parser(prog="python -m trmoe.data.prepare verify")
             verify.add_argument("paths", nargs="+", help="shard directories or prepared dataset directories")
             _verify(verify.parse_args(argv[1:]).paths)
-            return
+            return 0
         args = _parser().parse_args(argv)
         summary = prepare(
             args.input,
@@ -529,14 +534,15 @@ def main(argv: list[str] | None = None) -> None:
             overwrite=args.overwrite,
         )
         _print_summary(Path(args.out).expanduser().resolve(), summary)
-    except UserError as exc:
-        print(f"trmoe: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
         name = str(exc) if str(exc) in signal.Signals.__members__ else "SIGINT"
         print(f"trmoe: data.prepare: interrupted ({name}); partial files removed", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name])
+        return 128 + signal.Signals[name]
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

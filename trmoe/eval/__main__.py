@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from trmoe.cli import run
 from trmoe.durable import write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
@@ -40,42 +41,42 @@ def compose(overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        tool = compose(sys.argv[1:] if argv is None else argv)
-        from trmoe.eval import load_tasks, run_tasks
-        from trmoe.eval.lm import TRMoELM
-        from trmoe.load import find_checkpoint
+    return run(_main, argv)
 
-        info = find_checkpoint(tool.run, tool.step)
-        out = Path(tool.out) if tool.out else RunDir(info.path.parent.parent).eval_result(info.step)
-        if out.exists():
-            raise UserError(f"out={out}: exists (nothing is overwritten); allowed: a new file (out=...)")
-        load_tasks(list(tool.tasks), tool.include_path)  # before the model: a bad task fails at once
-        lm = TRMoELM(run=str(info.path), device=tool.device, dtype=tool.dtype, batch_size=tool.batch_size)
-        start = time.perf_counter()
-        results = run_tasks(
-            lm,
-            list(tool.tasks),
-            include_path=tool.include_path,
-            limit=tool.limit,
-            num_fewshot=tool.num_fewshot,
-        )
-        record = {
-            "run": str(Path(tool.run).resolve()),
-            "step": info.step,
-            "checkpoint": str(info.path.resolve()),
-            "tasks": list(tool.tasks),
-            "limit": tool.limit,
-            "seconds": round(time.perf_counter() - start, 3),
-            "results": results["results"],
-            "n-samples": results.get("n-samples"),
-            "versions": results.get("versions"),
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_file(out, json.dumps(record, indent=2, default=str) + "\n", fsync=False)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
+
+def _main(argv: list[str]) -> int:
+    tool = compose(argv)
+    from trmoe.eval import load_tasks, run_tasks
+    from trmoe.eval.lm import TRMoELM
+    from trmoe.load import find_checkpoint
+
+    info = find_checkpoint(tool.run, tool.step)
+    out = Path(tool.out) if tool.out else RunDir(info.path.parent.parent).eval_result(info.step)
+    if out.exists():
+        raise UserError(f"out={out}: exists (nothing is overwritten); allowed: a new file (out=...)")
+    load_tasks(list(tool.tasks), tool.include_path)  # before the model: a bad task fails at once
+    lm = TRMoELM(run=str(info.path), device=tool.device, dtype=tool.dtype, batch_size=tool.batch_size)
+    start = time.perf_counter()
+    results = run_tasks(
+        lm,
+        list(tool.tasks),
+        include_path=tool.include_path,
+        limit=tool.limit,
+        num_fewshot=tool.num_fewshot,
+    )
+    record = {
+        "run": str(Path(tool.run).resolve()),
+        "step": info.step,
+        "checkpoint": str(info.path.resolve()),
+        "tasks": list(tool.tasks),
+        "limit": tool.limit,
+        "seconds": round(time.perf_counter() - start, 3),
+        "results": results["results"],
+        "n-samples": results.get("n-samples"),
+        "versions": results.get("versions"),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_file(out, json.dumps(record, indent=2, default=str) + "\n", fsync=False)
     for task, figures in record["results"].items():
         shown = {k: v for k, v in figures.items() if isinstance(v, float)}
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))

@@ -11,17 +11,23 @@ import trmoe.eval  # noqa: F401  (offline)
 import trmoe.eval.lm  # noqa: F401  (registers --model trmoe)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The harness's command line; a bad run, step or device in --model_args is one line, as the other
+    tools. The harness parses sys.argv itself: an argv given here stands in for it during the call."""
+    from trmoe.cli import run
+
+    return run(_evaluate, argv)
+
+
+def _evaluate(argv: list[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
-    from trmoe.errors import UserError
-
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "trmoe.eval.harness", *argv]
     try:
         cli_evaluate()
-    except UserError as e:  # a bad run, step or device in --model_args: one line, as the other tools
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
-    return 0
+    finally:
+        sys.argv = saved
 
 
 if __name__ == "__main__":

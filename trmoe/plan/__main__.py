@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from trmoe.cli import Parser
+from trmoe.cli import Parser, run
 from trmoe.errors import UserError
 
 
@@ -181,14 +181,14 @@ def render(plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        overrides, tokens, world, throughput, as_json = parse(argv)
-        from trmoe.plan.build import make_plan
+    return run(_main, argv)
 
-        plan = make_plan(overrides, tokens=tokens, world=world, throughput=throughput)
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
+
+def _main(argv: list[str]) -> int:
+    overrides, tokens, world, throughput, as_json = parse(argv)
+    from trmoe.plan.build import make_plan
+
+    plan = make_plan(overrides, tokens=tokens, world=world, throughput=throughput)
     print(json.dumps(plan, indent=2) if as_json else render(plan), end="\n" if as_json else "")
     return 0
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trmoe.cli import Parser
-from trmoe.errors import UserError
+from trmoe.cli import Parser, run
 from trmoe.report.build import REPORT_MD, build_report, parse_peak
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = Parser(prog="python -m trmoe.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("paths", nargs="+", type=Path, help="run directories or multirun directories")
     parser.add_argument(
@@ -31,20 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
-    try:
-        args = parser.parse_args(argv)
-        peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
-        rep = build_report(
-            args.paths,
-            args.out,
-            args.control,
-            peak,
-            not args.no_plots,
-            require_control=args.control is not None,
-        )
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        return e.exit_code
+    args = parser.parse_args(argv)
+    peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
+    rep = build_report(
+        args.paths,
+        args.out,
+        args.control,
+        peak,
+        not args.no_plots,
+        require_control=args.control is not None,
+    )
     if not args.quiet:
         print(rep.markdown, end="")
     print(f"trmoe: report written to {rep.folder / REPORT_MD}", file=sys.stderr)

@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from trmoe.bench.common import Parser, positive_int, run_cli
+from trmoe.bench.common import Parser, positive_int
 from trmoe.bench.step import compose_arm
+from trmoe.cli import run
 from trmoe.data.build import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import build_optimizer
@@ -107,7 +108,7 @@ def measure(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The exit code: 0, or 2 after one line on stderr for bad input."""
-    return run_cli(measure, sys.argv[1:] if argv is None else argv)
+    return run(measure, argv)
 
 
 if __name__ == "__main__":

@@ -140,15 +140,34 @@ def _precheck(argv: list[str]) -> None:
         check_jobs_compose(jobs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit code of `python -m trmoe.train <argv>` (sys.argv[1:] when argv is None), run in this process.
+    Hydra reads sys.argv itself: an argv given here stands in for it during the call."""
+    from trmoe.cli import run
+
+    return run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    global _task_started
+    _task_started = False
+    _failed_jobs.clear()
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "trmoe.train", *argv]
+    try:
+        return _compose_and_run(argv)
+    finally:
+        sys.argv = saved
+
+
+def _compose_and_run(argv: list[str]) -> int:
     # Hydra prints its composition errors (unknown key, bad value, missing group option, bad syntax) over
     # several lines and exits 1. Told to raise them instead, it leaves the reporting to trmoe: one line, 2.
     user_asked = os.environ.get("HYDRA_FULL_ERROR") == "1"
     try:
-        _precheck(sys.argv[1:])
-    except UserError as e:
-        print(f"trmoe: {e}", file=sys.stderr)
-        sys.exit(2)
+        _precheck(argv)
+    except UserError:
+        raise
     except Exception:  # an override that does not parse, a sweep the check cannot expand (glob()): Hydra
         pass  # composes them and reports its errors below
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -156,29 +175,30 @@ def main() -> None:
         _app()
     except SystemExit as e:
         if e.code == 1 and not _task_started:  # Hydra's own argument errors
-            sys.exit(2)
+            return 2
         raise
     except Exception as e:
         if user_asked or _task_started:  # a failure of the job itself keeps its traceback
             raise
         if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too
             print(f"trmoe: {compose_error(e)}", file=sys.stderr)
-            sys.exit(2)
+            return 2
         if isinstance(e, BrokenPipeError):  # `--help | head`: the reader left; say nothing more
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(141)  # 128 + SIGPIPE, as a shell reports it
+            return 141  # 128 + SIGPIPE, as a shell reports it
         if isinstance(e, OSError) and e.filename is not None:  # Hydra making the run or sweep directory
             why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
             print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
-            sys.exit(2)
+            return 2
         raise
     finally:
         if not user_asked:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     if _failed_jobs:
         print(f"trmoe: {len(_failed_jobs)} sweep job(s) failed:", *_failed_jobs, sep="\n  ", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
