@@ -4,7 +4,8 @@ keeps the layout of the checkpoints written before it (docs/architecture.md), so
 from __future__ import annotations
 
 import pytest
-from helpers import FAST_CPU, compose_config
+from helpers import compose_config
+from presets import FAST_CPU
 
 from trmoe.run.checkpoint import CheckpointError, load_checkpoint
 from trmoe.train.loop import train
