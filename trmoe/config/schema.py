@@ -3,6 +3,9 @@
 Each config group (`conf/<group>/*.yaml`) extends the dataclass registered here as `/base_<group>@_here_`,
 so a key that is not in the schema fails at compose time, naming the key. Cross-field rules live in
 `trmoe.config.validate`.
+
+Over 400 lines on purpose: it is the single source of truth for every option; splitting it
+would send a reader to several files to find one key's meaning.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Cross-field rules, checked right after composition. OmegaConf already checks keys and types; these
 checks catch combinations that compose fine but cannot run. Each failure is one line naming the key,
-its value and what is allowed."""
+its value and what is allowed.
+
+Over 400 lines on purpose: every cross-field rule of the schema in one file, so a reader finds
+why a combination is refused next to every other refusal (the guide's 'every option in one file').
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ training stream is the train documents' o200k ids, EOS after each, cut into wind
 stride seq_len: sample g is window g of that stream, whatever the world size. Tokenization runs ahead of the
 training loop in a background thread fed by worker processes; a cursor (epoch, file, row group, row, token
 offset) names the next window exactly, for checkpoints.
+
+Over 400 lines on purpose: the streamed source's cursor, its reader thread and its
+worker pool are one mechanism whose exact-resume invariant spans all three.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ as hidden .*.partial files and renamed when complete; any error removes them.
 
     python -m trmoe.data.prepare corpus/ --out data/mycorpus --eval-fraction 0.01
     python -m trmoe.data.prepare verify data/mycorpus
+
+Over 400 lines on purpose: the tool's input discovery, worker pool, signal handling
+and output writing are one command whose clean-up guarantees (no partial output, no orphan worker) span all of
+them.
 """
 
 from __future__ import annotations

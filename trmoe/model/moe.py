@@ -22,6 +22,9 @@ Either way the routed rows are summed straight into the shared expert's output.
 
 routing.strategy=learned (the control): r_k and w_k come from a learned linear router instead of the table
 and p (TRMoEFFN._route); its rows go by expert.
+
+Over 400 lines on purpose: the FFN's formula, its two dispatch paths and the learned router share the
+branch's weights and gates; they are read together to check that both paths compute the formula above.
 """
 
 from __future__ import annotations
