@@ -21,7 +21,7 @@ PACKAGE = ROOT / "trmoe"
 # The packages, bottom to top: a package imports only from the layers below its own. A top-level module
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trmoe", "trmoe.errors"),  # the version; the user errors
+    ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
     ("trmoe.cli",),  # the tools' argument parser
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
