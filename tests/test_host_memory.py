@@ -56,7 +56,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 def test_deterministic_mode_does_not_nan_fill_fresh_tensors():
     # A fresh 64 MiB mapping comes zeroed from the OS; the deterministic mode's debugging fill makes it NaN.
     probe = (
-        "import torch; from trmoe.config.schema import HardwareConfig; from trmoe.train import env; "
+        "import torch; from trmoe.config.schema import HardwareConfig; from trmoe.runtime import env; "
         "env.configure(HardwareConfig(deterministic=True, reuse_host_memory=False), torch.device('cpu')); "
         "print(torch.are_deterministic_algorithms_enabled(), int(torch.empty(2**24).isnan().sum()))"
     )
