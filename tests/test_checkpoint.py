@@ -234,54 +234,33 @@ def _join(rank: int, world: int, out: str) -> None:
     )
 
 
-def _dcp_worker(rank: int, world: int, out: str) -> None:
-    _join(rank, world, out)
-    try:
-        model, optimizer = _model_and_optimizer(steps=2)  # identical on both ranks (replicated, as under DDP)
-        store = CheckpointStore(Path(out) / "ckpt", keep_last=1, format="dcp", rank=rank, world_size=world)
-        for step in (1, 2):
-            store.save(
-                step, model=model, optimizer=optimizer, local_state={"rank": rank}, meta={"tokens": step}
-            )
-        info = store.verify(Path(out) / "ckpt" / "step_00000002")
-        fresh, fresh_opt = _model_and_optimizer(seed=rank + 10, steps=1)
-        local = store.load(info, model=fresh, optimizer=fresh_opt)
-        _assert_same(model, fresh, optimizer, fresh_opt)
-        torch.save({"local": local, "meta": info.meta}, f"{out}/rank{rank}.pt")
-    finally:
-        distributed.shutdown()
+def _dcp_case(rank: int, world: int, out: Path) -> None:
+    model, optimizer = _model_and_optimizer(steps=2)  # identical on both ranks (replicated, as under DDP)
+    store = CheckpointStore(out / "ckpt", keep_last=1, format="dcp", rank=rank, world_size=world)
+    for step in (1, 2):
+        store.save(step, model=model, optimizer=optimizer, local_state={"rank": rank}, meta={"tokens": step})
+    info = store.verify(out / "ckpt" / "step_00000002")
+    fresh, fresh_opt = _model_and_optimizer(seed=rank + 10, steps=1)
+    local = store.load(info, model=fresh, optimizer=fresh_opt)
+    _assert_same(model, fresh, optimizer, fresh_opt)
+    torch.save({"local": local, "meta": info.meta}, out / f"rank{rank}.pt")
 
 
-@pytest.mark.subprocess
-def test_dcp_two_gloo_ranks_save_and_load(tmp_path):
-    """Every rank calls save/load; each writes its own files, rank 0 the metadata, the rename, `latest`
-    and the pruning; each rank gets its own train state back."""
-    spawn_ranks(_dcp_worker, (2, str(tmp_path)))
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert [r["local"] for r in results] == [{"rank": 0}, {"rank": 1}]
-    meta = results[0]["meta"]
-    assert meta["world_size"] == 2 and meta["step"] == 2
-    assert {"rank_00000.pt", "rank_00001.pt", ".metadata"} <= set(meta["files"])
-    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_00000002"]
-    assert read_pointer(tmp_path / "ckpt") == "step_00000002"
-
-
-def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
+def _failing_rank_case(rank: int, world: int, out: Path, failing: int) -> None:
     """Rank `failing` cannot write its rank file (a full disk on its node) at step 2."""
     from trmoe.run import checkpoint
 
-    _join(rank, world, out)
+    real_write = checkpoint._write_durable
+
+    def full_disk(path, payload):
+        if rank == failing and Path(path).name.startswith("rank_") and "00000002" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_write(path, payload)
+
+    checkpoint._write_durable = full_disk
     try:
-        real_write = checkpoint._write_durable
-
-        def full_disk(path, payload):
-            if rank == failing and Path(path).name.startswith("rank_") and "00000002" in str(path):
-                raise OSError(28, "No space left on device")
-            return real_write(path, payload)
-
-        checkpoint._write_durable = full_disk
         model, optimizer = _model_and_optimizer(steps=2)
-        store = CheckpointStore(Path(out) / "ckpt", keep_last=0, format="dcp", rank=rank, world_size=world)
+        store = CheckpointStore(out / "ckpt", keep_last=0, format="dcp", rank=rank, world_size=world)
         store.save(1, model=model, optimizer=optimizer, local_state={}, meta={})
         try:
             store.save(2, model=model, optimizer=optimizer, local_state={}, meta={})
@@ -289,22 +268,57 @@ def _failing_rank_worker(rank: int, world: int, out: str, failing: int) -> None:
         except OSError as e:
             outcome = str(e)
         store.save(3, model=model, optimizer=optimizer, local_state={}, meta={})  # and the run goes on
-        Path(f"{out}/outcome{rank}.txt").write_text(outcome)
+        (out / f"outcome{rank}.txt").write_text(outcome)
+    finally:
+        checkpoint._write_durable = real_write
+
+
+def _gloo_worker(rank: int, world: int, out: str) -> None:
+    """The two-rank cases one after another in one process group (one spawn for all: each rank pays the
+    imports once), each in its own directory."""
+    _join(rank, world, out)
+    try:
+        _dcp_case(rank, world, Path(out) / "dcp")
+        for failing in (0, 1):
+            _failing_rank_case(rank, world, Path(out) / f"fail{failing}", failing)
     finally:
         distributed.shutdown()
 
 
+@pytest.fixture(scope="module")
+def gloo_cases(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gloo")
+    for case in ("dcp", "fail0", "fail1"):
+        (out / case).mkdir()
+    spawn_ranks(_gloo_worker, (2, str(out)))
+    return out
+
+
+@pytest.mark.subprocess
+def test_dcp_two_gloo_ranks_save_and_load(gloo_cases):
+    """Every rank calls save/load; each writes its own files, rank 0 the metadata, the rename, `latest`
+    and the pruning; each rank gets its own train state back."""
+    out = gloo_cases / "dcp"
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["local"] for r in results] == [{"rank": 0}, {"rank": 1}]
+    meta = results[0]["meta"]
+    assert meta["world_size"] == 2 and meta["step"] == 2
+    assert {"rank_00000.pt", "rank_00001.pt", ".metadata"} <= set(meta["files"])
+    assert [p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_00000002"]
+    assert read_pointer(out / "ckpt") == "step_00000002"
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path, failing):
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(gloo_cases, failing):
     """Rank 0 alone commits a checkpoint: had the others gone on (or rank 0, with another rank's file
     missing), one side would wait forever in the next collective. Every rank raises, the step is not
     committed, the previous checkpoint stays and the next save works."""
-    spawn_ranks(_failing_rank_worker, (2, str(tmp_path), failing))
-    outcomes = [(tmp_path / f"outcome{r}.txt").read_text() for r in range(2)]
+    out = gloo_cases / f"fail{failing}"
+    outcomes = [(out / f"outcome{r}.txt").read_text() for r in range(2)]
     assert "No space left on device" in outcomes[failing]
     assert "failed on another rank" in outcomes[1 - failing]
-    steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
+    steps = sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_"))
     assert steps == ["step_00000001", "step_00000003"]
 
 
