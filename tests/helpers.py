@@ -312,17 +312,24 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_ranks(run_dir: Path, overrides: list[str], nproc: int) -> None:
-    """DISTRIBUTED_TINY + overrides: `python -m trmoe.train` (nproc 1) or torchrun with nproc CPU ranks
-    (gloo), into run_dir (TRMOE_RUN_DIR); the console output lands beside it as <name>.console."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trmoe.train"]
+    """DISTRIBUTED_TINY + overrides into run_dir (TRMOE_RUN_DIR): torchrun with nproc CPU ranks (gloo) in
+    a child process, or (nproc 1) the train app's main(argv) in this process, as `python -m trmoe.train`
+    runs it; the console output lands beside it as <name>.console."""
+    if nproc == 1:  # nothing here needs a process of its own: the interpreter start-up is saved
+        previous = os.environ.get("TRMOE_RUN_DIR")
+        os.environ["TRMOE_RUN_DIR"] = str(run_dir)
+        try:
+            out = cli([*DISTRIBUTED_TINY, *overrides], Path.cwd())
+        finally:
+            if previous is None:
+                del os.environ["TRMOE_RUN_DIR"]
+            else:
+                os.environ["TRMOE_RUN_DIR"] = previous
     else:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "trmoe.train"]
-    out = subprocess.run(
-        [*cmd, *DISTRIBUTED_TINY, *overrides], env=env, capture_output=True, text=True, timeout=300
-    )
+        cmd += ["-m", "trmoe.train", *DISTRIBUTED_TINY, *overrides]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir.parent / f"{run_dir.name}.console").write_text(out.stdout + out.stderr)  # what the user saw
 
