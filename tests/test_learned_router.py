@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, compose_config, metrics_rows, run_cli
+from helpers import TIMING_COLUMNS, cli, compose_config, metrics_rows
 from presets import LEARNED_RUN as RUN
 
 from trmoe.config.resolve import model_spec, to_config
@@ -115,9 +115,8 @@ def test_router_parameters_are_counted_total_and_active():
     assert "blocks.0.ffn.routed.route_table" not in model.state_dict()
 
 
-@pytest.mark.subprocess
 def test_match_prints_the_learned_arm(tmp_path):
-    out = run_cli(
+    out = cli(
         ["model=tiny", "model.gates=false", "--arm", "routing=modulo_cyclic", "--arm", "routing=learned"],
         tmp_path,
         module="trmoe.match",
@@ -176,12 +175,18 @@ def test_kill_then_resume_is_bit_exact(tmp_path):
 
 
 def _launch(run_dir: Path, overrides: list[str], nproc: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "trmoe.train"]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "trmoe.train"]
+    """torchrun's ranks for nproc > 1; the single process in this one (it needs no process of its own)."""
     steps = ["trainer.steps=4", "trainer.log_every=1"]
+    if nproc == 1:
+        threads = torch.get_num_threads()
+        try:
+            train(compose_config(*RUN, *steps, *overrides), run_dir)
+        finally:
+            torch.set_num_threads(threads)
+        return subprocess.CompletedProcess(["train"], 0, "", "")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["-m", "trmoe.train"]
     return subprocess.run(
         [*cmd, *RUN, *steps, *overrides], env=env, capture_output=True, text=True, timeout=300
     )

@@ -211,6 +211,10 @@ def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
             if "submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
         ]
         assert len(jobs) == 1, jobs
+        # the last step logged before the signal: the job saves at a step boundary at or after it (not "a
+        # step later": under load the job can still be between that step's row and its stop check)
+        written = metrics.read_text()
+        seen = int(written[: written.rindex("\n")].splitlines()[-1].split(",", 1)[0])  # its last whole row
         os.kill(jobs[0], signal.SIGUSR2)
         output = proc.communicate(timeout=300)[0]
     finally:
@@ -222,7 +226,10 @@ def test_submitit_requeue_resumes_the_job(tmp_path, baseline_every_row):
     logs = "".join(p.read_text() for p in (run_dir.parent / ".submitit").rglob("*_log.*"))
     assert "Requeued job" in logs and "Caught signal SIGUSR2" in logs
     rc = json.loads((run_dir / "run_config.json").read_text())
-    assert [r["mode"] for r in rc["resumes"]] == ["resume"] and rc["resumes"][0]["from_step"] >= 6
+    assert [r["mode"] for r in rc["resumes"]] == ["resume"]
+    saved = rc["resumes"][0]["from_step"]
+    assert 5 <= seen <= saved < 20, (seen, saved)  # mid-run, no earlier than the signal
+    assert f"stopped at step {saved} on SIGUSR2" in logs  # the signal's save is the one resumed from
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     assert_same_run(run_dir, baseline_every_row)
 
