@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -322,9 +323,14 @@ def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):
         assert rc["params"]["total"] == 12_924_480
 
 
-def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib (and matplotlib.*) now raises
-    result = cli([str(smoke_sweep), "--out", str(tmp_path), "--quiet"], tmp_path, module="trmoe.report")
+@pytest.mark.subprocess
+def test_report_tables_work_without_matplotlib(smoke_sweep, tmp_path):
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
+        "from trmoe.report.__main__ import main\n"
+        f"sys.exit(main([{str(smoke_sweep)!r}, '--out', {str(tmp_path)!r}, '--quiet']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     md = (tmp_path / "report.md").read_text()
     assert "matplotlib is not installed" in md and not (tmp_path / "plots").exists()
