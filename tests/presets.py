@@ -106,7 +106,8 @@ DISTRIBUTED_TINY = [
     "trainer.log_every=1",
 ]
 
-# 2 steps of 2 x 16 tokens: a grid's every arm in seconds (the arms set model and data) (test_experiments.py)
+# 2 steps of 2 x 16 tokens on one thread: a grid's every arm in seconds (the arms set model and data)
+# (test_experiments.py)
 GRID_TINY = [
     "trainer.steps=2",
     "trainer.micro_batch=2",
@@ -114,6 +115,7 @@ GRID_TINY = [
     "trainer.eval_batches=1",
     "trainer.eval_every=0",
     "trainer.log_every=1",
+    "hardware.threads=1",
 ]
 
 # rows and evaluations at the ends only: a run whose steps must not wait on the host (test_host_sync.py)

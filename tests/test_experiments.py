@@ -456,7 +456,15 @@ def test_a_sweep_over_seeds_only_is_one_arm(tmp_path):
     paired seed by seed (not four one-run arms with disjoint seed sets)."""
     for name, routing in (("mc", "modulo_cyclic"), ("rnd", "random")):
         result = cli(
-            ["-m", f"routing={routing}", *TINY_RUN, "trainer.seed=1,2", f"hydra.sweep.dir=sweeps/{name}"],
+            [
+                "-m",
+                f"routing={routing}",
+                "data=random",
+                "model.vocab_size=512",
+                *TINY_RUN,
+                "trainer.seed=1,2",
+                f"hydra.sweep.dir=sweeps/{name}",
+            ],
             cwd=tmp_path,
         )
         assert result.returncode == 0, result.stderr[-3000:]
