@@ -15,8 +15,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 from presets import FAST_CPU
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
 from trmoe.config.schema import GROUPS, Config
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 
 GROUP_OPTIONS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))

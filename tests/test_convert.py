@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import cli, compose_config
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.convert import primary_weight
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.run.checkpoint import load_checkpoint

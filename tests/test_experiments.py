@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_module
 from presets import GRID_TINY as TINY_RUN
 
 from trmoe.config.param_match import solve_match
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import parameter_counts
 from trmoe.report.compare import Pair, t975

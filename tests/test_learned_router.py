@@ -15,7 +15,8 @@ import torch
 from helpers import TIMING_COLUMNS, cli, compose_config, metrics_rows
 from presets import LEARNED_RUN as RUN
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.model.moe import TRMoEFFN, swiglu
 from trmoe.model.spec import ffn_spec
 from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts

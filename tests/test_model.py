@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import compose_config
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.model.moe import RoutedExperts, TRMoEFFN, route_weights, swiglu
 from trmoe.model.spec import ModelSpec, ffn_spec
 from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from helpers import compose_config, spawn_ranks
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import GroupLRs, OptimizerSet, build_optimizer
 from trmoe.optim.muon import Muon, muon_direction, orthogonalize

@@ -257,7 +257,8 @@ def test_token_counts_of_the_training_split_feed_the_frequency_strategy(tmp_path
     import torch
     from helpers import compose_config
 
-    from trmoe.config.resolve import model_spec, to_config
+    from trmoe.config.resolve import to_config
+    from trmoe.config.spec import model_spec
     from trmoe.model.routing import build_route_table
     from trmoe.model.transformer import TRMoETransformer
 

@@ -11,7 +11,8 @@ import torch
 from helpers import cli, compose_config
 from presets import FAST_CPU, TRAINING_SENTENCES
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.generate import Sampling, generate
 from trmoe.load import load_model
 from trmoe.model.transformer import TRMoETransformer

@@ -12,8 +12,9 @@ import torch
 from helpers import compose_config
 from presets import FAST_CPU
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
 from trmoe.config.schema import DiversityTarget
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.diversity import expert_diversity

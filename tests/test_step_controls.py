@@ -13,7 +13,8 @@ from helpers import compose_config, watch_training
 from presets import FAST_CPU
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.moe import SharedExpert
 from trmoe.model.transformer import TRMoETransformer

@@ -11,8 +11,9 @@ import torch
 from helpers import compose_config, watch_training
 from presets import FAST_CPU
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
 from trmoe.config.schema import Progress
+from trmoe.config.spec import model_spec
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.loop import train
 from trmoe.train.loss import chunked_tied_ce

@@ -10,7 +10,8 @@ import torch
 from helpers import compose_config, metrics_rows
 from presets import FAST_CPU
 
-from trmoe.config.resolve import model_spec, to_config
+from trmoe.config.resolve import to_config
+from trmoe.config.spec import model_spec
 from trmoe.errors import RunFailed, UserError
 from trmoe.model.flops import flops_per_token
 from trmoe.model.transformer import TRMoETransformer, count_parameters

@@ -12,7 +12,6 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from trmoe.config.param_match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
-from trmoe.config.spec import model_spec  # noqa: F401  (to_config's companion; the tests import it from here)
 from trmoe.config.validate import validate
 from trmoe.errors import UserError
 
