@@ -91,8 +91,9 @@ DATA_FAST = [
     "run.progress=log",
 ]
 
-# 4 steps on random ids, a row per step: the world-size comparisons (torchrun ranks) (test_distributed.py)
-DISTRIBUTED_TINY = [
+# Random ids of a 512-id vocabulary in 32-token windows on one CPU thread, the default micro-batch: the base
+# of the world-size comparisons and the learned-router runs.
+RANDOM_IDS_CPU = [
     "data=random",
     "model.vocab_size=512",
     "trainer.seq_len=32",
@@ -102,9 +103,10 @@ DISTRIBUTED_TINY = [
     "hardware=cpu",
     "hardware.threads=1",
     "run.progress=log",
-    "trainer.steps=4",
-    "trainer.log_every=1",
 ]
+
+# 4 steps on random ids, a row per step: the world-size comparisons (torchrun ranks) (test_distributed.py)
+DISTRIBUTED_TINY = [*RANDOM_IDS_CPU, "trainer.steps=4", "trainer.log_every=1"]
 
 # 2 steps of 2 x 16 tokens on one thread: a grid's every arm in seconds (the arms set model and data)
 # (test_experiments.py)
@@ -134,20 +136,7 @@ HOST_SYNC_RUN = [
 ]
 
 # the learned router with its z-loss and MoE telemetry on random ids (test_learned_router.py)
-LEARNED_RUN = [
-    "data=random",
-    "model.vocab_size=512",
-    "routing=learned",
-    "routing.z_weight=0.001",
-    "trainer.seq_len=32",
-    "optimizer.lr=3e-3",
-    "optimizer.warmup_steps=2",
-    "trainer.eval_batches=1",
-    "hardware=cpu",
-    "hardware.threads=1",
-    "run.progress=log",
-    "telemetry.moe=true",
-]
+LEARNED_RUN = [*RANDOM_IDS_CPU, "routing=learned", "routing.z_weight=0.001", "telemetry.moe=true"]
 
 # 4 x 32-token micro-batches on random ids: the loss backends' runs (test_loss_backends.py)
 LOSS_FAST = [
