@@ -51,10 +51,10 @@ def _app(cfg: DictConfig) -> float:
     run_dir = Path(hc.runtime.output_dir)
     sweeping = hc.mode == RunMode.MULTIRUN
     try:
-        to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
+        checked = to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
         from trmoe.train.loop import train
 
-        return train(cfg, run_dir)
+        return train(cfg, run_dir, checked)
     except Preempted as e:  # a stop signal: checkpoint saved; requeue (submitit) or exit 128 + signal
         print(f"trmoe: {e}", file=sys.stderr)
         hand_over(e)

@@ -23,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from trmoe.config.resolve import to_config
+from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
 from trmoe.data.build import build_data
 from trmoe.run import launch, records, signals, status, storage
@@ -42,13 +43,14 @@ log = logging.getLogger("trmoe")
 Loop = Callable[[Trainer, signals.StopSignals], float]
 
 
-def run(raw_cfg: DictConfig, run_dir: Path, loop: Loop) -> float:
-    """Run one job into run_dir with `loop`; returns the final held-out loss."""
+def run(raw_cfg: DictConfig, run_dir: Path, loop: Loop, cfg: Config | None = None) -> float:
+    """Run one job into run_dir with `loop`; returns the final held-out loss. `cfg`: raw_cfg already checked
+    by to_config (the app checks it before it imports the training stack), else it is checked here."""
     early = records.EarlyLog()  # what is logged before train.log may be written goes into it first
     logging.getLogger().addHandler(early)
     try:
         with runlock.hold(run_dir, rank=distributed.detect().rank):  # one live launch per run directory
-            return _job(raw_cfg, RunDir(run_dir), early, loop)
+            return _job(raw_cfg, cfg, RunDir(run_dir), early, loop)
     except OSError as e:  # the run directory cannot be written (full disk, read-only): one line, exit 3
         if not storage.is_storage_error(e, run_dir):
             raise
@@ -57,8 +59,8 @@ def run(raw_cfg: DictConfig, run_dir: Path, loop: Loop) -> float:
         logging.getLogger().removeHandler(early)
 
 
-def _job(raw_cfg: DictConfig, run: RunDir, early: records.EarlyLog, loop: Loop) -> float:
-    cfg = to_config(raw_cfg)
+def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.EarlyLog, loop: Loop) -> float:
+    cfg = cfg if cfg is not None else to_config(raw_cfg)
     device = env.select_device(cfg.hardware)
     amp_dtype = env.autocast_dtype(cfg.hardware, device)
     spec = model_spec(cfg)

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from trmoe.config.schema import Config
 from trmoe.run.signals import StopSignals
 from trmoe.train import guards, job
 from trmoe.train.trainer import Trainer
 
 
-def train(raw_cfg: DictConfig, run_dir: Path) -> float:
+def train(raw_cfg: DictConfig, run_dir: Path, cfg: Config | None = None) -> float:
     """Run one training job into run_dir, or continue the run it holds (trainer.resume, docs/reliability.md);
-    returns the final held-out loss. Raises UserError on bad input, or on a run directory it must not
-    overwrite or continue, before anything is written."""
-    return job.run(raw_cfg, run_dir, loop)
+    returns the final held-out loss. `cfg`: raw_cfg already checked by to_config (else it is checked here).
+    Raises UserError on bad input, or on a run directory it must not overwrite or continue, before anything
+    is written."""
+    return job.run(raw_cfg, run_dir, loop, cfg)
 
 
 def loop(trainer: Trainer, stop: StopSignals) -> float:
