@@ -275,7 +275,8 @@ def drive(fault: str, cwd: Path, *overrides: str, timeout: float = 300) -> subpr
     """`python resume_driver.py <fault> <overrides>` from `cwd` (created), as a real child process that dies
     or exits as that command would (returncode -9 for a SIGKILL), its stdout and stderr. The child is forked
     from a multiprocessing fork server that has already imported the training stack: ~4 s of CPU less per
-    child than a fresh interpreter, which is not what these tests are about."""
+    child than a fresh interpreter, which is not what these tests are about. The child gets the environment
+    the server started with (this process's at its first drive)."""
     import multiprocessing
 
     import resume_driver
