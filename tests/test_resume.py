@@ -56,7 +56,7 @@ def baseline(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every driver run of this module, concurrently (each is mostly interpreter start-up)."""
+    """Every driver run of this module, concurrently (each a child forked by helpers.drive)."""
     root = tmp_path_factory.mktemp("faults")
     jobs = [(fault, ()) for fault, _ in KILLS] + [(fault, ()) for fault, _, _ in SIGNALS]
     jobs.append(("nan:5:100", ("guard.max_skips=3",)))
