@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,28 @@ def small_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def text_run(tmp_path_factory) -> Path:
+def text_run(tmp_path_factory, worker_id) -> Path:
     """The run directory of a tiny model (TEXT_RUN) trained on TRAINING_SENTENCES (and a held-out filler
-    document): what trmoe.sample, trmoe.export and trmoe.eval are tested on. ~10 s on one core."""
+    document): what trmoe.sample, trmoe.export and trmoe.eval are tested on. ~10 s on one core, once per
+    session: under pytest-xdist the first worker to ask trains it in the session's shared temporary
+    directory, under a file lock, and the others read it (pytest-xdist's documented FileLock pattern)."""
+    if worker_id == "master":
+        return _train_text_run(tmp_path_factory.mktemp("text_run"))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "text_run"  # the session's, shared by its workers
+    with FileLock(f"{root}.lock"):
+        if not (root / "trained").is_file():
+            shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+            root.mkdir()
+            _train_text_run(root)
+            (root / "trained").touch()
+    return root / "run"
+
+
+def _train_text_run(root: Path) -> Path:
     from trmoe.train.loop import train
 
-    root = tmp_path_factory.mktemp("text_run")
     corpus = root / "corpus.txt"
     docs = [" ".join(TRAINING_SENTENCES)] * 20 + ["Held out text about something else entirely."] * 3
     corpus.write_text("\n\n".join(f"{d} ({i})" for i, d in enumerate(docs)) + "\n")

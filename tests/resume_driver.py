@@ -163,9 +163,24 @@ def install(fault: str) -> None:
             raise SystemExit(f"unknown save phase {phase!r}")
 
 
-if __name__ == "__main__":
-    install(sys.argv[1])
-    sys.argv = ["trmoe.train", *sys.argv[2:]]
+def run(fault: str, argv: list[str]) -> int:
+    """The app's exit code with `fault` installed (or the process's death)."""
+    install(fault)
     from trmoe.train.__main__ import main
 
-    sys.exit(main())
+    return main(argv)
+
+
+def forked(fault: str, argv: list[str], cwd: str) -> None:
+    """The target of helpers.drive's child (a process forked from a server that has the training stack
+    imported): `python resume_driver.py <fault> <argv>` from `cwd`, its stdout and stderr in
+    cwd/driver.stdout and cwd/driver.stderr."""
+    os.chdir(cwd)
+    for fd, name in ((1, "driver.stdout"), (2, "driver.stderr")):
+        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout.reconfigure(line_buffering=True)  # what the killed attempt printed is there, as unbuffered
+    sys.exit(run(fault, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1], sys.argv[2:]))

@@ -6,15 +6,12 @@ report tables the accuracies with paired intervals; bad input is one line and ex
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import DRIVER, TIMING_COLUMNS, assert_same_run, cli, compose_config, metrics_rows
+from helpers import TIMING_COLUMNS, assert_same_run, cli, compose_config, drive, metrics_rows
 from presets import TRAINING_SENTENCES
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
@@ -118,15 +115,7 @@ def test_evaluation_does_not_change_training(with_tasks, corpus, tmp_path):
 @pytest.mark.subprocess
 def test_kill_9_then_resume_keeps_the_columns_bit_identical(with_tasks, corpus, tmp_path):
     args = run_args(corpus, *DOWNSTREAM, "downstream.every=4")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    killed = subprocess.run(
-        [sys.executable, str(DRIVER), "step:10:forward", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    killed = drive("step:10:forward", tmp_path, *args, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     run_dir = tmp_path / "runs" / "d"
     _train(args, run_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import DRIVER, assert_same_run, cli, compose_config, metrics_rows
+from helpers import assert_same_run, cli, compose_config, drive, metrics_rows
 
 from trmoe.config.resolve import to_config
 from trmoe.data.build import build_data
@@ -200,11 +200,8 @@ def test_per_source_eval_columns_and_epochs_are_recorded(trained):
 @pytest.mark.subprocess
 @pytest.mark.parametrize("fault, checkpoint", [("step:6:forward", 4), ("step:8:after", 8)])
 def test_kill_9_then_resume_is_bit_exact(corpora, trained, tmp_path, fault, checkpoint):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [*mixture(corpora), *RUN, "trainer.micro_batch=8"]
-    killed = subprocess.run(
-        [sys.executable, str(DRIVER), fault, *args], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    killed = drive(fault, tmp_path, *args)
     assert killed.returncode == -9, killed.stderr[-2000:]
     run_dir = tmp_path / "runs" / "m"
     threads = torch.get_num_threads()

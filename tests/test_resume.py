@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DRIVER, assert_latest_sane, assert_same_run, descendants, metrics_rows, train_in_process
+from helpers import assert_latest_sane, assert_same_run, descendants, drive, metrics_rows, train_in_process
 from presets import RESUME_BASE, RESUME_SMALL
 
 from trmoe.run.checkpoint import load_checkpoint, read_pointer
@@ -44,16 +44,7 @@ SIGNALS = [("signal:7:USR2", signal.SIGUSR2, 7), ("signal:9:TERM", signal.SIGTER
 
 
 def _drive(fault: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cwd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(DRIVER), fault, *RESUME_BASE, *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return drive(fault, cwd, *RESUME_BASE, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def baseline(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every driver run of this module, concurrently (each is mostly interpreter start-up)."""
+    """Every driver run of this module, concurrently (each a child forked by helpers.drive)."""
     root = tmp_path_factory.mktemp("faults")
     jobs = [(fault, ()) for fault, _ in KILLS] + [(fault, ()) for fault, _, _ in SIGNALS]
     jobs.append(("nan:5:100", ("guard.max_skips=3",)))

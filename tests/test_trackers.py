@@ -11,11 +11,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import DRIVER, TIMING_COLUMNS, cli, compose_config
+from helpers import TIMING_COLUMNS, cli, compose_config, drive
 from presets import TINY_RUN
 
 from trmoe.config.resolve import to_config
@@ -35,14 +34,7 @@ RUN = [
 
 
 def _drive(fault: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(DRIVER), fault, *RUN, *overrides],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return drive(fault, cwd, *RUN, *overrides, timeout=600)
 
 
 def _csv_series(run_dir: Path) -> dict[str, dict[int, float]]:

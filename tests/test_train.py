@@ -27,8 +27,15 @@ SMALL_VOCAB = ["data=random", "model.vocab_size=512"]
 def trained(tmp_path_factory) -> tuple[Path, float]:
     run_dir = tmp_path_factory.mktemp("run") / "r"
     final = train(
-        compose_config(*FAST, "trainer.steps=40", "trainer.eval_every=20", "trainer.log_every=10"), run_dir
-    )
+        compose_config(
+            *FAST,
+            "trainer.steps=40",
+            "trainer.eval_every=20",
+            "trainer.log_every=10",
+            "trainer.eval_batches=1",
+        ),
+        run_dir,
+    )  # one held-out batch per evaluation: each is a pass over the o200k head, and one shows the fall
     return run_dir, final
 
 
