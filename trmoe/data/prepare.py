@@ -43,7 +43,7 @@ from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.identity import file_sha256
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
-from trmoe.durable import write_file
+from trmoe.durable import json_text, write_file
 from trmoe.errors import UserError, require_directory
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -414,7 +414,7 @@ def prepare(
         # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
         "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
     }
-    write_file(out / DATASET_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n", fsync=False)
+    write_file(out / DATASET_FILE, json_text(summary, indent=2, sort_keys=True) + "\n", fsync=False)
     summary["elapsed_s"] = elapsed
     summary["input_bytes"] = int(offsets[-1])
     return summary

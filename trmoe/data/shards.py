@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trmoe.durable import AtomicFile, partial_path, write_file
+from trmoe.durable import AtomicFile, json_text, partial_path, write_file
 from trmoe.errors import UserError
 
 # the training split's token frequencies, by the dataset's train/ and eval/ (trmoe.data.prepare writes it)
@@ -334,7 +334,7 @@ class ShardWriter:
             "text_bytes": self.text_bytes,
             **self.meta,
         }
-        write_file(self.directory / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_file(self.directory / INDEX_NAME, json_text(index, indent=2, sort_keys=True) + "\n")
         return index
 
     def abort(self) -> None:

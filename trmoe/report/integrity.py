@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trmoe.durable import number
 from trmoe.report.runs import Run
 from trmoe.run.status import FINISHED
 
@@ -29,10 +30,6 @@ class Integrity:
     disagreements: list[str] = field(default_factory=list)  # records that contradict each other
 
 
-def _number(value) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def value_at(run: Run, step: float | None, column: str) -> float | None:
     """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing:
     metrics.csv writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
@@ -49,7 +46,7 @@ def assess(run: Run) -> Integrity:
     last_logged = int(max(steps)) if steps else None
     planned = run.config_value("trainer.steps")
     status_record = run.status_record
-    recorded = _number(status_record.get("final_eval_loss"))
+    recorded = number(status_record.get("final_eval_loss"))  # "NaN" (json_text) included
     finished = run.status == FINISHED
     final_step = planned if finished and isinstance(planned, int) else last_logged
     out = Integrity(final_step=final_step, final_eval=None)
