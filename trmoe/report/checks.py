@@ -164,7 +164,7 @@ def _values_text(by_value: dict[str, list[str]], limit: int = 4, width: int = 60
 class CheckItem:
     key: str
     title: str
-    status: str  # "same" | "differs by the swept keys" | "DIFFERS"
+    status: str  # "same" | "differs by the swept keys" | "DIFFERS" | "UNKNOWN" (a run has no record)
     detail: str
 
 
@@ -247,6 +247,14 @@ def check(
         )
 
     recorded = [r for r in runs if r.record]
+    # A run that trained (it is not a failed launch) but has no run_config.json: its facts are unknown, and an
+    # unknown never counts as matching (every item says so instead of "same").
+    unknown = [r.name for r in runs if not r.record and r.status != FAILED]
+    if unknown:
+        warnings.append(
+            f"{len(unknown)} run(s) without a readable run_config.json: whether they match the others on the "
+            "checklist below is unknown: " + ", ".join(unknown)
+        )
     swept = set(swept_keys(runs))
     recipes = {r.name: _recipe(r, swept) for r in recorded}
     recipes_equal = len(set(recipes.values())) <= 1
@@ -287,9 +295,17 @@ def check(
     items = []
     for item, title in ITEMS.items():
         if item == "seeds":
-            items.append(_seed_item(arms, warnings))
+            seeds = _seed_item(arms, warnings)
+            if unknown and seeds.status == "same":  # the seed of a run without its record is unknown
+                seeds = CheckItem(
+                    item, title, "UNKNOWN", f"{seeds.detail}; not recorded by {', '.join(unknown)}"
+                )
+            items.append(seeds)
             continue
         diffs = sorted(differing[item], key=lambda d: d[2])  # the unexplained differences first
+        if not diffs and unknown:
+            items.append(CheckItem(item, title, "UNKNOWN", "not recorded by " + ", ".join(unknown)))
+            continue
         if not diffs:
             items.append(CheckItem(item, title, "same", _same_detail(item, common, arms)))
             continue

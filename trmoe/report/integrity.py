@@ -31,14 +31,15 @@ class Integrity:
 
 
 def value_at(run: Run, step: float | None, column: str) -> float | None:
-    """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing:
-    metrics.csv writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
+    """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing,
+    or if rows of that step disagree on it: no figure is taken from one of two conflicting rows. metrics.csv
+    writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
     if step is None:
         return None
-    for row in reversed(run.rows):
-        if row.get("step") == step and column in row:
-            return row[column]
-    return None
+    values = [row[column] for row in run.rows if row.get("step") == step and column in row]
+    if len({"nan" if math.isnan(v) else v for v in values}) != 1:
+        return None
+    return values[-1]
 
 
 def assess(run: Run) -> Integrity:
@@ -52,6 +53,12 @@ def assess(run: Run) -> Integrity:
     out = Integrity(final_step=final_step, final_eval=None)
 
     logged = value_at(run, final_step, "eval_loss") if final_step is not None else None
+    twins = [r for r in run.rows if r.get("step") == final_step]
+    if len(twins) > 1:
+        out.disagreements.append(
+            f"metrics.csv has {len(twins)} rows for the final step {final_step}: a figure they disagree on "
+            "is unknown"
+        )
     if finished and last_logged != final_step:
         where = f"ends at step {last_logged}" if last_logged is not None else "has no rows"
         out.disagreements.append(

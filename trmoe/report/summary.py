@@ -25,7 +25,7 @@ class Summary:
     median_tok_s: float | None
     tok_s_rows: list[int]  # the steps whose windows the median is taken over
     mfu: float | None
-    tokens: int | None  # tokens trained so far (the last logged row)
+    tokens: int | None  # tokens trained by the final step (its row; None: unknown, the run's notes say why)
     params_total: int | None
     params_active: int | None
     sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
@@ -108,7 +108,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         if flops and peak:  # tok/s is the whole job's, the peak one device's
             mfu = median_tok_s / world * flops / peak
 
-    tokens = run.series("tokens")
+    tokens = value_at(run, end.final_step, "tokens")
     params = run.record.get("params") or {}
     return Summary(
         final_eval=final_eval,
@@ -119,7 +119,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         median_tok_s=median_tok_s,
         tok_s_rows=[int(s) for s, _, _ in rows],
         mfu=mfu,
-        tokens=int(tokens[-1][2]) if tokens else None,
+        tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None,
         params_total=params.get("total"),
         params_active=params.get("active"),
         sources={
