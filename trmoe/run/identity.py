@@ -74,6 +74,15 @@ VOLATILE_KEYS = (
 )
 
 
+# Keys a newer trmoe records that an older one did not: absent from a stored record, they are no difference
+# (a resume across the upgrade continues); present in both, they are compared like any other.
+ADDED_KEYS = ("data_info.*sample_sha256",)
+
+
+def _added_later(key: str, old: Any) -> bool:
+    return old == ABSENT and any(fnmatch.fnmatchcase(key, pattern) for pattern in ADDED_KEYS)
+
+
 def is_volatile(key: str) -> bool:
     """A pattern names a key or a whole subtree: `data_info.metric_streams` covers its flattened keys
     (`data_info.metric_streams.eval_loss`), which a plain fnmatch of the pattern never matched."""
@@ -168,6 +177,6 @@ def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None 
         if data_only is not None and key.startswith("data_info.") != data_only:
             continue
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
-        if a != b:
+        if a != b and not _added_later(key, a):
             (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
     return diff
