@@ -68,3 +68,23 @@ def test_a_run_without_run_config_never_counts_as_matching(tmp_path):
     assert "without a readable run_config.json" in md and "**UNKNOWN**" in md
     checklist = md.split("## Comparability checklist", 1)[1]
     assert "| same |" not in checklist.split("## ", 1)[0]
+
+
+def test_runs_on_different_held_out_sets_are_not_paired(tmp_path):
+    """The control evaluated on 8 windows, the arm on 4 (another trainer.micro_batch): no paired difference
+    (old code: the two losses were subtracted as if measured on one set)."""
+    from trmoe.report.compare import Arm, paired
+
+    runs = tmp_path / "runs"
+    for name, windows in (("control", 8), ("arm", 4)):
+        _run(runs / name, ROWS)
+        record = json.loads((runs / name / "run_config.json").read_text())
+        (runs / name / "run_config.json").write_text(
+            json.dumps({**record, "derived": {"eval_windows": windows}})
+        )
+    loaded = {r.name: r for r in load_runs([runs])}
+    summaries = {name: summarize(run) for name, run in loaded.items()}
+    control, arm = Arm("control", {}, [loaded["control"]]), Arm("arm", {}, [loaded["arm"]])
+    (pair,) = paired([control, arm], control, summaries)
+    assert pair.n == 0
+    assert any("held-out set of 4 windows, the control's 8" in e for e in pair.excluded)

@@ -169,3 +169,27 @@ def test_a_directory_left_before_the_run_record_is_refused(small_run, tmp_path):
     (lone / "status.json").write_text('{"status": "failed", "error": "config error"}\n')
     train_in_process(lone, *RESUME_SMALL)
     assert json.loads((lone / "status.json").read_text())["status"] == "finished"
+
+
+# ------------------------------------------------------- the held-out set follows micro_batch: kept apart
+
+
+def test_a_resume_that_changes_the_held_out_set_keeps_best_eval_to_the_last_set(small_run, tmp_path):
+    """micro_batch 4 -> 2 (grad_accum 1 -> 2 keeps the tokens per step) halves the held-out set (8 -> 4
+    windows): run_config.json records it, and the report's best eval no longer mixes the two sets (old code:
+    the minimum over both, without a word)."""
+    from trmoe.report.runs import load_runs
+    from trmoe.report.summary import summarize
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # resume from step 2
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    train_in_process(run_dir, *RESUME_SMALL, "trainer.micro_batch=2", "trainer.grad_accum=2")
+    record = json.loads((run_dir / "run_config.json").read_text())
+    assert record["derived"]["eval_windows"] == 4
+    assert record["resumes"][-1]["volatile_changes"]["derived.eval_windows"] == [8, 4]
+    summary = summarize(load_runs([run_dir])[0])
+    evals = {int(r["step"]): float(r["eval_loss"]) for r in metrics_rows(run_dir) if r["eval_loss"] != "nan"}
+    assert summary.best_eval == min(v for step, v in evals.items() if step > 2)
+    assert "held-out set changed on resume at step 2 (8 -> 4 windows)" in summary.held_out_note

@@ -36,7 +36,7 @@ ITEMS = {
     "throughput": "Throughput interval",
     "other": "Everything else (model, attention, routing, loss, code version)",
 }
-CRITICAL = ("total_tokens", "params.total", "eval.steps")
+CRITICAL = ("total_tokens", "params.total", "eval.steps", "derived.eval_windows")
 CONFIG_DERIVED_BACKEND = ("backend.device", "backend.autocast_dtype", "backend.deterministic")
 BUDGET_KEYS = (
     "total_tokens",
@@ -61,7 +61,12 @@ def item_of(key: str) -> str:
         return "tokenizer"
     if key.startswith(("data.eval_", "data.metric_streams.")):  # what each evaluation scores
         return "eval"
-    if key in ("eval.steps", "config.trainer.eval_every", "config.trainer.eval_batches"):
+    if key in (
+        "eval.steps",
+        "config.trainer.eval_every",
+        "config.trainer.eval_batches",
+        "derived.eval_windows",
+    ):
         return "eval"
     if key.startswith(("data.", "config.data.")):
         return "data"
@@ -238,6 +243,12 @@ def check(
         warnings.append(
             f"{len(disagree)} run(s) whose records disagree: "
             + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
+        )
+    changed = [r for r in runs if summaries[r.name].held_out_note]
+    if changed:
+        warnings.append(
+            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
+            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
         )
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:

@@ -94,3 +94,33 @@ def _same(a: float, b: float) -> bool:
     if math.isinf(a) or math.isinf(b):
         return a == b
     return abs(a - b) <= _SAME * max(1.0, abs(a))
+
+
+def held_out_windows(run: Run) -> int | None:
+    """The size of the run's held-out set at its final step, in windows (run_config.json's
+    derived.eval_windows; for a run recorded before it, trainer.eval_batches x trainer.micro_batch); None
+    if unknown."""
+    recorded = (run.record.get("derived") or {}).get("eval_windows")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    batches, micro = run.config_value("trainer.eval_batches"), run.config_value("trainer.micro_batch")
+    return batches * micro if isinstance(batches, int) and isinstance(micro, int) else None
+
+
+def held_out_changes(run: Run) -> list[tuple[int, str]]:
+    """(step, what) for each resume that changed the held-out set: the evaluations up to that step scored
+    other windows than the ones after it."""
+    resumes = run.record.get("resumes")
+    out = []
+    for entry in resumes if isinstance(resumes, list) else []:
+        changes = entry.get("volatile_changes") if isinstance(entry, dict) else None
+        step = entry.get("from_step") if isinstance(entry, dict) else None
+        if not isinstance(changes, dict) or not isinstance(step, int):
+            continue
+        old, new = (changes.get("derived.eval_windows") or [None, None])[:2]
+        if isinstance(old, int) and isinstance(new, int):
+            if old != new:
+                out.append((step, f"{old} -> {new} windows"))
+        elif any(k in changes for k in ("trainer.micro_batch", "trainer.eval_batches")):
+            out.append((step, "trainer.eval_batches or trainer.micro_batch changed"))
+    return out

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from trmoe.model.flops import datasheet_peak, flops_terms
-from trmoe.report.integrity import assess, value_at
+from trmoe.report.integrity import assess, held_out_changes, value_at
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
@@ -32,6 +32,7 @@ class Summary:
     # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
     accuracies: dict[str, float | None] = field(default_factory=dict)  # downstream.tasks: the final
     # acc/<task> and acc_norm/<task> (metrics.csv columns; higher is better)
+    held_out_note: str | None = None  # the held-out set changed on a resume: best_eval covers the last set
     diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
     disagreements: list[str] = field(default_factory=list)  # its records contradict each other
 
@@ -84,7 +85,13 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
     evals = run.series("eval_loss")
     end = assess(run)  # the final step and its figures only (a diverged run's NaN is not skipped)
     final_eval = end.final_eval
-    best_eval = min((v for _, _, v in evals), default=None)
+    changes = held_out_changes(run)
+    since = changes[-1][0] if changes else -math.inf  # evaluations after the last change: the final set
+    best_eval = min((v for step, _, v in evals if step > since), default=None)
+    note = None
+    if changes:
+        what = "; ".join(f"at step {step} ({text})" for step, text in changes)
+        note = f"held-out set changed on resume {what}: best eval over the steps after {since} only"
 
     bpb, estimated = value_at(run, end.final_step, "eval_bpb"), False
     bpb = bpb if bpb is not None and math.isfinite(bpb) else None
@@ -131,6 +138,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
             if c.startswith("eval_loss/")
         },
         accuracies={c: value_at(run, end.final_step, c) for c in run.columns if is_accuracy(c)},
+        held_out_note=note,
         diverged=end.diverged,
         disagreements=end.disagreements,
     )

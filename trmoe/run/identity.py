@@ -60,6 +60,7 @@ VOLATILE_KEYS = (
     "data.pin_memory",
     "data.verify",
     "derived.world_size",
+    "derived.eval_windows",  # follows trainer.eval_batches and micro_batch; the report keeps sets apart
     "data_info.path",  # location; the content is identified by its hashes
     "data_info.*.path",  # (nested: data_info.shards.train.path, data_info.stream.path)
     "data_info.*.paths",  # the Parquet files' locations (their hashes: data_info.stream.files)
@@ -112,6 +113,9 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
         "global_batch_tokens": global_batch_tokens(t, world_size),
         "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
         "world_size": world_size,
+        # the held-out set: its first eval_batches x micro_batch windows (docs/data.md). Volatile, but an
+        # evaluation on another number of windows is another set: the report compares only equal ones
+        "eval_windows": t.eval_batches * t.micro_batch,
     }
 
 
