@@ -130,11 +130,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _first_line(path: Path) -> str:
-    with open(path, newline="") as f:
-        return f.readline().rstrip("\r\n")
-
-
 class StepCsv:
     """A per-step CSV (metrics.csv, telemetry.csv): a header of `columns`, then one line per row, each value
     formatted by `_fmt`, flushed as written. `append=True` continues a file that already holds a header and

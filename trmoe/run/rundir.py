@@ -15,6 +15,10 @@
       profile/                torch.profiler traces (debug=profile)
       eval/<step>.json        python -m trmoe.eval's results for a checkpoint
 
+Every name but .lock belongs to the run: run.overwrite=true removes them all (`removable`), and any of them
+but status.json makes the directory hold a run (`held`). The bookkeeping files (BOOKKEEPING) are never
+followed through a symbolic link (`linked`; trmoe.run.lock refuses such a directory).
+
 This module only names paths; it imports nothing of trmoe's, so any tool may use it.
 """
 
