@@ -291,3 +291,82 @@ def test_token_counts_of_the_training_split_feed_the_frequency_strategy(tmp_path
     (tmp_path / "out" / "token_counts.npy").unlink()
     with pytest.raises(UserError, match=r"^config error: routing.frequencies=None: .*token_counts.npy"):
         to_config(compose_config(*overrides))
+
+
+# -------------------------------------------------------------- skipped inputs, bounded workers, no orphans
+
+
+def test_every_skipped_input_is_named(tmp_path):
+    """Old code: a dangling link and a FIFO among the inputs were skipped without a word."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text("\n\n".join(documents(40)))
+    (src / "b.txt").symlink_to(tmp_path / "gone.txt")
+    os.mkfifo(src / "c.txt")
+    result = run_prepare(["in", "--out", "ds", "--workers", "0", "--eval-fraction", "0.2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"skipped {src / 'b.txt'}: a dangling symbolic link" in result.stderr
+    assert f"skipped {src / 'c.txt'}: a FIFO" in result.stderr
+    inputs = json.loads((tmp_path / "ds" / "dataset.json").read_text())["source"]["inputs"]
+    assert [i["path"] for i in inputs] == ["a.txt"]
+
+
+def test_workers_above_the_cores_are_lowered_with_a_message(tmp_path):
+    from trmoe.cli import usable_cores
+
+    (tmp_path / "c.txt").write_text("\n\n".join(documents(40)))
+    result = run_prepare(["c.txt", "--out", "ds", "--workers", "1000", "--eval-fraction", "0.2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    cores = usable_cores()
+    assert f"--workers 1000: this machine has {cores} usable cores; using {cores}" in result.stderr
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, ...); None once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (Linux /proc)."""
+    return {
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and (fields := _stat(int(p.name))) and int(fields[1]) == pid
+    }
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_no_worker_outlives_a_killed_parent(tmp_path):
+    """SIGKILL the parent (what the OOM killer does) once its tokenizer workers have started: they end with
+    it. Old code: they went on loading the tokenizer and working through their tasks, orphaned."""
+    import signal
+    import time
+
+    from helpers import start
+
+    (tmp_path / "big.txt").write_text("\n\n".join(documents(20000)))
+    proc = start("-m", "trmoe.data.prepare", "big.txt", "--out", "ds", "--workers", "2", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    workers: set[int] = set()
+    while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        # a worker leaves the parent's process group in its initializer (encode._init_worker)
+        workers = {c for c in _children(proc.pid) if (f := _stat(c)) and int(f[2]) == c}
+        time.sleep(0.01)
+    assert proc.poll() is None and len(workers) == 2, "the workers never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 3  # the kernel kills them as the parent exits; old workers lived on
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [w for w in workers if _alive(w)]
+    for w in left:  # not left to the rest of the suite
+        os.kill(w, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent"

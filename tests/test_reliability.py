@@ -22,6 +22,7 @@ from helpers import cli, compose_config, descendants, run_cli, text_documents, w
 from presets import DATA_FAST as FAST
 from presets import RELIABILITY_TINY as TINY
 
+from trmoe.durable import number
 from trmoe.errors import RunFailed, UserError
 from trmoe.run.lock import LOCK_FILE, RunLock, read_holder
 from trmoe.train.loop import train
@@ -430,7 +431,7 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
     control = next(
         d
         for d in sorted(sweep.iterdir())
-        if (d / "status.json").exists() and _status(d).get("final_eval_loss", 0) < 100
+        if (d / "status.json").exists() and number(_status(d).get("final_eval_loss")) < 100  # ("NaN": not)
     )
     final = _status(control)["final_eval_loss"]
     metrics = control / "metrics.csv"

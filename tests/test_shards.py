@@ -182,7 +182,9 @@ def test_verify_catches_corruption_and_lying_indexes(good):
     data = bytearray((good / BIN_NAME).read_bytes())
     data[10] ^= 1
     (good / BIN_NAME).write_bytes(bytes(data))
-    open_shard(good)  # the cheap checks pass: same size
+    # the default identity (data.verify=false) catches an edit in place to the same size: a small shard is
+    # hashed whole at open (old code: the cheap checks passed)
+    assert "does not match the index's" in _error(good) and "edited in place" in _error(good)
     assert "does not match the index" in _error(good, verify=True)
     tokens = synthetic_tokens(2000)
     tokens[5] = 511
@@ -247,3 +249,30 @@ def test_the_previous_runners_shards_are_read_and_train(tmp_path):
     _legacy_shard(tmp_path / "bad", synthetic_tokens(100, vocab=200_019), num_tokens="100")
     with pytest.raises(UserError, match="complexity-token-shard-v1 index: field 'num_tokens'"):
         read_index(tmp_path / "bad")
+
+
+def test_a_large_shard_is_identified_by_sampled_blocks(tmp_path):
+    """Above SAMPLE_WHOLE the identity is SAMPLE_BLOCKS sampled blocks (docs/data.md): an in-place edit inside
+    one changes the recorded identity (a resume then refuses); one between them is data.verify=true's."""
+    from trmoe.data.shards import SAMPLE_BLOCK, SAMPLE_BLOCKS, SAMPLE_WHOLE
+
+    n = SAMPLE_WHOLE // 2 + 1_000_000  # uint16 ids: just above SAMPLE_WHOLE bytes
+    make_shard(tmp_path / "big", synthetic_tokens(n))
+    path = tmp_path / "big" / BIN_NAME
+    size = path.stat().st_size
+    assert size > SAMPLE_WHOLE
+    first = open_shard(tmp_path / "big").fingerprint()["sample_sha256"]
+    gap = (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
+    with open(path, "r+b") as f:  # inside block 1 (offset gap), same size
+        f.seek(gap + 10)
+        byte = f.read(1)
+        f.seek(gap + 10)
+        f.write(bytes([byte[0] ^ 1]))
+    assert open_shard(tmp_path / "big").fingerprint()["sample_sha256"] != first
+    with open(path, "r+b") as f:  # restore it, then change a byte between blocks 0 and 1
+        f.seek(gap + 10)
+        f.write(byte)
+        f.seek(SAMPLE_BLOCK + 10)
+        f.write(b"\x07")
+    assert open_shard(tmp_path / "big").fingerprint()["sample_sha256"] == first  # not caught by the default
+    assert "does not match the index" in _error(tmp_path / "big", verify=True)

@@ -8,11 +8,21 @@ script and a test calling `main([...])` in-process see the same exit code and th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from trmoe.errors import RunFailed, UserError
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a SLURM allocation): what hardware.threads
+    and trmoe.data.prepare --workers are bounded by."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Parser(argparse.ArgumentParser):

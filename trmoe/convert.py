@@ -22,7 +22,6 @@ FFN or attention type trmoe does not have, other fixed facts) is refused with on
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 from trmoe import cli
 from trmoe.cli import Parser
-from trmoe.durable import staged_dir, write_file
+from trmoe.durable import json_text, staged_dir, write_file
 from trmoe.errors import UserError
 
 # The reference's strategy name -> the trmoe construction closest to it (only the placeholder's; see above).
@@ -288,7 +287,7 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
             "params": count_parameters(model).to_dict(),
             "converted_from": record,
         }
-        write_file(tmp / "run_config.json", json.dumps(run_config, indent=2) + "\n")
+        write_file(tmp / "run_config.json", json_text(run_config, indent=2) + "\n")
         write_file(tmp / "overrides.txt", " ".join(overrides) + "\n")
     return out
 

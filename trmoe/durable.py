@@ -5,7 +5,12 @@ target (`os.replace`, atomic on POSIX) and the directory fsynced, so that the re
 loss. A reader sees the old file or the new one, never a mix; a write that fails (a full disk, an exception in
 the caller's writer) removes its partial file and leaves the old content. A kill can leave a partial file
 (hidden, like every name trmoe writes aside), which nobody reads and the next write of the same target
-replaces.
+replaces. A symbolic link at the target is replaced (by the rename), never written through; `nofollow` is
+the opener for files written in place.
+
+JSON: `json_text` is the one encoder of every JSON file trmoe writes (and every JSON it prints). JSON has no
+NaN or infinity, so a non-finite float is written as the string "NaN", "Infinity" or "-Infinity" (what
+`float()` reads back exactly; `number` is the reader's side): a diverged run's records stay valid JSON.
 
 `fsync=False` skips both fsyncs, for outputs a tool can simply make again (a sample, an export): the rename
 still makes them whole or absent, but a power loss may lose them. `atomic=False` writes in place, for the
@@ -18,6 +23,8 @@ Ground floor: imports nothing from trmoe, and no torch.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -29,9 +36,47 @@ PARTIAL = ".partial"
 Content = str | bytes | Callable[[IO[bytes]], Any]
 
 
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by its NON_FINITE name (containers walked)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **dumps: Any) -> str:
+    """`json.dumps(value, **dumps)` that is always valid JSON: non-finite floats become "NaN", "Infinity",
+    "-Infinity" (strings). (`default=` still applies to what JSON cannot hold; its results are not
+    walked.)"""
+    return json.dumps(_finite(value), allow_nan=False, **dumps)
+
+
+def number(value: Any) -> float | None:
+    """A number as `json_text` wrote it: an int or float, or a non-finite float's name; else None (a
+    missing, null or non-numeric value). Bare NaN/Infinity of files written before `json_text` read as
+    floats too (Python's json accepts them)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    return NON_FINITE.get(value) if isinstance(value, str) else None
+
+
 def partial_path(path: Path) -> Path:
     """Where `path`'s next content is written before it replaces `path` (the same directory)."""
     return path.with_name(f".{path.name}{PARTIAL}")
+
+
+def nofollow(path: str | os.PathLike, flags: int) -> int:
+    """An `opener` for open() that never follows a symbolic link at `path` (OSError ELOOP instead): a file
+    trmoe rewrites must not let a link redirect the write outside its directory."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,7 +97,8 @@ class AtomicFile:
         self.path = Path(path)
         self.partial = partial_path(self.path)
         self.fsync = fsync
-        self.file: IO[bytes] = open(self.partial, "wb")  # the mode a plain open gives (0666 & ~umask)
+        # the mode a plain open gives (0666 & ~umask); a link planted at the partial name is not followed
+        self.file: IO[bytes] = open(self.partial, "wb", opener=nofollow)
 
     def commit(self) -> None:
         try:
@@ -100,7 +146,7 @@ def write_file(path: Path, content: Content, *, fsync: bool = True, atomic: bool
     if atomic:
         with AtomicFile(path, fsync=fsync) as f:
             return _put(f, content)
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=nofollow) as f:
         result = _put(f, content)
         if fsync:
             f.flush()

@@ -16,11 +16,11 @@ Exit code 2 when an arm does not resolve (its row shows the error).
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 
 from trmoe.cli import Parser, run
+from trmoe.durable import json_text
 from trmoe.errors import UserError
 
 
@@ -135,7 +135,7 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     arms = expand_arms(args.overrides, args.arm)
     rows = [solve_arm(a) for a in arms]
-    print(json.dumps(rows, indent=2) if args.json else render(rows), end="" if not args.json else "\n")
+    print(json_text(rows, indent=2) if args.json else render(rows), end="" if not args.json else "\n")
     return 2 if any("error" in r for r in rows) else 0
 
 

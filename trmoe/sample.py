@@ -8,14 +8,13 @@ run or step, an empty prompt, a negative count): one line, exit code 2.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.data.tokenizer import O200K_VOCAB
-from trmoe.durable import write_file
+from trmoe.durable import json_text, write_file
 from trmoe.errors import UserError
 
 
@@ -107,7 +106,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 }
             )
     if args.out is not None:
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        text = "".join(json_text(r, ensure_ascii=False) + "\n" for r in records)
         try:
             write_file(args.out, text, fsync=False)
         except OSError as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from trmoe.cli import Parser
+from trmoe.durable import json_text
 from trmoe.model.routing import STRATEGIES
 
 RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
@@ -112,7 +112,7 @@ def record(name: str, payload: dict, out: Path | None = None) -> dict:
     entry = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **payload}
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+        f.write(json_text(entry) + "\n")
     return entry
 
 

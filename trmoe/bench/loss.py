@@ -23,6 +23,7 @@ from trmoe import cli
 from trmoe.bench.common import Parser, add_device, positive_int, record
 from trmoe.config.schema import LossBackend
 from trmoe.data.tokenizer import O200K_VOCAB
+from trmoe.durable import json_text
 
 VOCAB = O200K_VOCAB
 KINDS = (*(b.value for b in LossBackend), "full")  # the train loop's loss backends, and full logits
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--child":
         kind, tokens, hidden, chunk, device = argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5]
-        print(json.dumps(_case(kind, tokens, hidden, chunk, device)))
+        print(json_text(_case(kind, tokens, hidden, chunk, device)))
         return
     parser = Parser(prog="python -m trmoe.bench loss", description=__doc__)
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trmoe.cli import usable_cores
 from trmoe.config.schema import (
     AttentionKind,
     Config,
@@ -72,13 +73,6 @@ def _int64(node: object, prefix: str) -> None:
             _int64(value, f"{prefix}{f.name}.")
         elif isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
             _fail(f"{prefix}{f.name}", value, f"must be an integer of at most {INT64_MAX} (int64)")
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 # hardware.threads above the cores only oversubscribes (warned when the run starts); far above them it is a

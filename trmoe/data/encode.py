@@ -52,7 +52,25 @@ def encode_documents(
     return is_eval, text_bytes, lengths, flat
 
 
-def _init_worker() -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a parent killed by the OOM killer or SIGKILL
+    runs no cleanup, and an idle worker, which holds its task queue's write end itself, would wait on it
+    forever). If the parent died before the request took effect, exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _init_worker(parent: int) -> None:
+    _die_with(parent)  # no worker outlives the process that started it
     # Ctrl-C, and a SIGTERM/SIGHUP sent to the whole process group, are the parent's to handle: it stops
     # the pool and removes its partial files. A worker of the group would print a KeyboardInterrupt
     # traceback, and one killed while it holds the task queue's lock deadlocks Pool.terminate(); so the
@@ -83,7 +101,9 @@ def make_pool(workers: int):
             main.__spec__ = None
             if "__file__" in saved:
                 del main.__file__
-        return multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker)
+        return multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_worker, initargs=(os.getpid(),)
+        )
     finally:
         for name, value in saved.items():
             setattr(main, name, value)

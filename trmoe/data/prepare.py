@@ -26,6 +26,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.identity import file_sha256
 from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
-from trmoe.durable import write_file
+from trmoe.durable import json_text, write_file
 from trmoe.errors import UserError, require_directory
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -55,13 +56,36 @@ DATASET_FILE = "dataset.json"
 # ----------------------------------------------------------------------------------------------- inputs
 
 
+def _kind(path: Path) -> str:
+    """What a directory entry is, in words, when it is not a regular file."""
+    if path.is_symlink() and not path.exists():
+        return "a dangling symbolic link"
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    kinds += ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((word for test, word in kinds if test(mode)), "not a regular file")
+
+
+def _skip(paths: list[Path]) -> list[Path]:
+    """The regular files of `paths`; every other one is named on stderr (nothing is skipped silently)."""
+    kept = []
+    for path in paths:
+        if path.is_file():
+            kept.append(path)
+        else:
+            print(f"trmoe: data.prepare: skipped {path}: {_kind(path)}", file=sys.stderr)
+    return kept
+
+
 def discover_inputs(spec: str) -> tuple[Path, list[Path]]:
     """(root, files): a single file (read as text unless it is .jsonl/.parquet), every .txt/.jsonl/.parquet
-    file below a directory, or the files a glob matches; sorted by path."""
+    file below a directory, or the files a glob matches; sorted by path. An entry that would be an input
+    but is no regular file (a dangling link, a FIFO, a socket; a directory a glob matches) is skipped and
+    named on stderr."""
     if any(ch in spec for ch in "*?["):
         # absolute, not resolved: a match that is a symlink is named as matched, not by its target
         files = sorted(Path(os.path.abspath(p)) for p in glob.glob(os.path.expanduser(spec), recursive=True))
-        files = [p for p in files if p.is_file()]
+        files = _skip(files)
         if not files:
             raise UserError(f"input {spec}: the glob matches no files")
         bad = [p for p in files if p.suffix not in SUFFIXES]
@@ -72,7 +96,8 @@ def discover_inputs(spec: str) -> tuple[Path, list[Path]]:
     if not path.exists():
         raise UserError(f"input {path}: no such file or directory")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        candidates = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES)
+        files = _skip([p for p in candidates if not (p.is_dir() and not p.is_symlink())])
         if not files:
             raise UserError(f"input {path}: the directory holds no {', '.join(SUFFIXES)} files")
         return path, files
@@ -285,6 +310,19 @@ def _check_args(eval_fraction: float, workers: int, separator: str | None, text_
         raise UserError("--text-field: must name the field that holds the text")
 
 
+def bounded_workers(workers: int) -> int:
+    """At most the usable cores: each worker is a process with its own tokenizer, so more only adds memory
+    (1000 on two cores ran the machine out of it). The output does not depend on the count, so a larger one
+    is lowered, with a message, rather than refused."""
+    cores = cli.usable_cores()
+    if workers > cores:
+        print(
+            f"trmoe: data.prepare: --workers {workers}: this machine has {cores} usable cores; using {cores}",
+            file=sys.stderr,
+        )
+    return min(workers, cores)
+
+
 def _check_out(out: Path) -> None:
     """--out must be a directory, or not exist yet below one; train/ and eval/ in it directories if there."""
     require_directory(out, "--out", "a new or existing directory (the dataset directory of train/ and eval/)")
@@ -317,6 +355,7 @@ def prepare(
     """Tokenize the input into <out>/train and <out>/eval shards; returns the dataset summary (also written
     to <out>/dataset.json). Raises UserError, leaving nothing behind, on bad input."""
     _check_args(eval_fraction, workers, separator, text_field)
+    workers = bounded_workers(workers)
     root, files = discover_inputs(input_spec)
     for path in files:  # fail on unreadable Parquet before writing anything
         if path.suffix == ".parquet":
@@ -414,7 +453,7 @@ def prepare(
         # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
         "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
     }
-    write_file(out / DATASET_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n", fsync=False)
+    write_file(out / DATASET_FILE, json_text(summary, indent=2, sort_keys=True) + "\n", fsync=False)
     summary["elapsed_s"] = elapsed
     summary["input_bytes"] = int(offsets[-1])
     return summary
@@ -502,7 +541,10 @@ def _parser() -> Parser:
         "--split-seed", type=int, default=0, help="salt of the document hash that assigns splits"
     )
     parser.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (0 = inline)"
+        "--workers",
+        type=int,
+        default=cli.usable_cores(),
+        help="tokenizer processes, at most the usable cores (0 = inline)",
     )
     parser.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto")
     parser.add_argument(

@@ -6,6 +6,12 @@ map (no copy into RAM; opening it costs the same for 1 MB and 100 GB), written a
 that are renamed only when complete (index last; trmoe.durable), and checked on load: format and version,
 dtype, byte size = num_tokens x itemsize, token ids against the vocab; `verify_shard` also re-hashes the file
 and rescans the ids.
+
+Content identity without data.verify (`sample_sha256`): a tokens.bin of at most SAMPLE_WHOLE bytes is hashed
+whole at every open and must match its index's sha256; a larger one is identified by the sha256 of
+SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes at evenly spaced offsets (the first and the last included), which
+a run records and a resume compares. Reading SAMPLE_BLOCKS x SAMPLE_BLOCK = 16 MiB costs a fraction of a
+second at any size; an edit of a large shard outside those blocks is caught by data.verify=true only.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from trmoe.durable import AtomicFile, partial_path, write_file
+from trmoe.data.identity import file_sha256
+from trmoe.durable import AtomicFile, json_text, partial_path, write_file
 from trmoe.errors import UserError
 
 # the training split's token frequencies, by the dataset's train/ and eval/ (trmoe.data.prepare writes it)
@@ -33,6 +40,8 @@ INDEX_NAME = "tokens.idx.json"
 PARTITIONS = ("train", "eval")
 DTYPES = {"<u2": 65_536, "<u4": 2**32}  # dtype -> ids it can hold (exclusive upper bound)
 _READ_CHUNK = 1 << 24  # bytes per read when hashing / scanning a tokens.bin
+SAMPLE_WHOLE = 1 << 25  # tokens.bin up to 32 MiB: hashed whole at open, checked against the index
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 256, 1 << 16  # a larger one: 256 blocks of 64 KiB (16 MiB) identify it
 
 # Index fields every shard must have, and their JSON types.
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -80,6 +89,7 @@ class TokenShard:
     index: dict[str, Any]  # the parsed tokens.idx.json
     tokens: np.ndarray  # read-only np.memmap over tokens.bin, shape [num_tokens]
     verified: bool  # True when verify_shard re-hashed the file in this process
+    sample_sha256: str = ""  # the content identity read at open (sample_sha256)
 
     @property
     def bin_path(self) -> Path:
@@ -97,6 +107,7 @@ class TokenShard:
             "tokenizer_sha256",
         )
         fp: dict[str, Any] = {"path": str(self.directory), **{k: self.index[k] for k in keys}}
+        fp["sample_sha256"] = self.sample_sha256  # what was read at open: an edit in place changes it
         fp.update(partition=self.index["partition"], documents=self.index["documents"])
         fp.update(text_bytes=self.index["text_bytes"])
         if "converted_from" in self.index:  # a legacy shard: what its own index said of its origin
@@ -209,8 +220,29 @@ def open_shard(directory: str | Path, *, verify: bool = False) -> TokenShard:
         )
     if verify:
         verify_shard(directory, index=index)
+    sample = sample_sha256(bin_path, actual)
+    if actual <= SAMPLE_WHOLE and sample != index["sha256"]:
+        raise _fail(
+            bin_path,
+            f"its sha256 {sample[:16]}... does not match the index's {index['sha256'][:16]}...: the tokens "
+            "changed after the shard was written (edited in place?); re-run the prepare tool",
+        )
     tokens = np.memmap(bin_path, dtype=np.dtype(index["dtype"]), mode="r", shape=(index["num_tokens"],))
-    return TokenShard(directory=directory, index=index, tokens=tokens, verified=verify)
+    return TokenShard(directory=directory, index=index, tokens=tokens, verified=verify, sample_sha256=sample)
+
+
+def sample_sha256(path: Path, size: int) -> str:
+    """The shard's content identity (module docstring): sha256 of the whole file up to SAMPLE_WHOLE bytes,
+    else of SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes at offsets i x (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS
+    - 1)."""
+    if size <= SAMPLE_WHOLE:
+        return file_sha256(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(i * (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1))
+            digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
 
 
 def scan_bin(path: Path, dtype: str, eos_id: int | None) -> dict[str, Any]:
@@ -334,7 +366,7 @@ class ShardWriter:
             "text_bytes": self.text_bytes,
             **self.meta,
         }
-        write_file(self.directory / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_file(self.directory / INDEX_NAME, json_text(index, indent=2, sort_keys=True) + "\n")
         return index
 
     def abort(self) -> None:

@@ -8,13 +8,12 @@ without a checkpoint): one line, exit code 2.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from trmoe.cli import run
-from trmoe.durable import write_file
+from trmoe.durable import json_text, write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
 
@@ -76,7 +75,7 @@ def _main(argv: list[str]) -> int:
         "versions": results.get("versions"),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_file(out, json.dumps(record, indent=2, default=str) + "\n", fsync=False)
+    write_file(out, json_text(record, indent=2, default=str) + "\n", fsync=False)
     for task, figures in record["results"].items():
         shown = {k: v for k, v in figures.items() if isinstance(v, float)}
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))

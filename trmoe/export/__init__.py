@@ -16,13 +16,12 @@ existing non-empty directory is never written into.
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from trmoe.durable import staged_dir
+from trmoe.durable import json_text, staged_dir
 from trmoe.errors import UserError, require_directory
 from trmoe.load import LoadedModel
 
@@ -100,7 +99,7 @@ def write_tokenizer(out: Path, max_len: int) -> None:
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json_text(config, indent=2) + "\n")
 
 
 def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
@@ -110,14 +109,14 @@ def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
 
     state = {f"model.{k}": v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(loaded), indent=2) + "\n")
+    (out / "config.json").write_text(json_text(hf_config(loaded), indent=2) + "\n")
     generation = {
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": EOS_ID,
         "max_length": loaded.spec.max_seq_len,
     }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json_text(generation, indent=2) + "\n")
     code = resources.files("trmoe.export") / "hf"
     for name in _CODE:
         (out / name).write_text((code / name).read_text(encoding="utf-8"), encoding="utf-8")
@@ -131,7 +130,7 @@ def _write_safetensors(loaded: LoadedModel, out: Path) -> None:
     state = {k: v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(loaded.step)})
     config = {"trmoe_model_spec": loaded.spec.to_dict(), "step": loaded.step, "config": loaded.config}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "config.json").write_text(json_text(config, indent=2) + "\n")
 
 
 def check_out(out: Path, fmt: str) -> None:

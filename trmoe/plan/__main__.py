@@ -13,10 +13,10 @@ line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from trmoe.cli import Parser, run
+from trmoe.durable import json_text
 from trmoe.errors import UserError
 
 
@@ -189,7 +189,7 @@ def _main(argv: list[str]) -> int:
     from trmoe.plan.build import make_plan
 
     plan = make_plan(overrides, tokens=tokens, world=world, throughput=throughput)
-    print(json.dumps(plan, indent=2) if as_json else render(plan), end="\n" if as_json else "")
+    print(json_text(plan, indent=2) if as_json else render(plan), end="\n" if as_json else "")
     return 0
 
 

@@ -234,13 +234,14 @@ def render_markdown(rep: Report, title: str) -> str:
     lines += ["", "## Comparability checklist", ""]
     lines.append(
         "Checked against the reproducible-comparison checklist. *differs by the swept keys*: the sweep made "
-        "the difference (every other override is shared). **DIFFERS**: a warning above."
+        "the difference (every other override is shared). **DIFFERS**: a warning above. **UNKNOWN**: a run "
+        "has no record of it (a warning above); an unknown never counts as the same."
     )
     lines.append("")
     lines += _table(
         ["item", "status", "details"],
         [
-            [c.title, f"**{c.status}**" if c.status == "DIFFERS" else c.status, c.detail]
+            [c.title, f"**{c.status}**" if c.status in ("DIFFERS", "UNKNOWN") else c.status, c.detail]
             for c in rep.checklist
         ],
     )

@@ -36,7 +36,7 @@ ITEMS = {
     "throughput": "Throughput interval",
     "other": "Everything else (model, attention, routing, loss, code version)",
 }
-CRITICAL = ("total_tokens", "params.total", "eval.steps")
+CRITICAL = ("total_tokens", "params.total", "eval.steps", "derived.eval_windows")
 CONFIG_DERIVED_BACKEND = ("backend.device", "backend.autocast_dtype", "backend.deterministic")
 BUDGET_KEYS = (
     "total_tokens",
@@ -61,7 +61,12 @@ def item_of(key: str) -> str:
         return "tokenizer"
     if key.startswith(("data.eval_", "data.metric_streams.")):  # what each evaluation scores
         return "eval"
-    if key in ("eval.steps", "config.trainer.eval_every", "config.trainer.eval_batches"):
+    if key in (
+        "eval.steps",
+        "config.trainer.eval_every",
+        "config.trainer.eval_batches",
+        "derived.eval_windows",
+    ):
         return "eval"
     if key.startswith(("data.", "config.data.")):
         return "data"
@@ -164,7 +169,7 @@ def _values_text(by_value: dict[str, list[str]], limit: int = 4, width: int = 60
 class CheckItem:
     key: str
     title: str
-    status: str  # "same" | "differs by the swept keys" | "DIFFERS"
+    status: str  # "same" | "differs by the swept keys" | "DIFFERS" | "UNKNOWN" (a run has no record)
     detail: str
 
 
@@ -239,6 +244,12 @@ def check(
             f"{len(disagree)} run(s) whose records disagree: "
             + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
         )
+    changed = [r for r in runs if summaries[r.name].held_out_note]
+    if changed:
+        warnings.append(
+            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
+            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
+        )
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:
         warnings.append(
@@ -247,6 +258,14 @@ def check(
         )
 
     recorded = [r for r in runs if r.record]
+    # A run that trained (it is not a failed launch) but has no run_config.json: its facts are unknown, and an
+    # unknown never counts as matching (every item says so instead of "same").
+    unknown = [r.name for r in runs if not r.record and r.status != FAILED]
+    if unknown:
+        warnings.append(
+            f"{len(unknown)} run(s) without a readable run_config.json: whether they match the others on the "
+            "checklist below is unknown: " + ", ".join(unknown)
+        )
     swept = set(swept_keys(runs))
     recipes = {r.name: _recipe(r, swept) for r in recorded}
     recipes_equal = len(set(recipes.values())) <= 1
@@ -287,9 +306,17 @@ def check(
     items = []
     for item, title in ITEMS.items():
         if item == "seeds":
-            items.append(_seed_item(arms, warnings))
+            seeds = _seed_item(arms, warnings)
+            if unknown and seeds.status == "same":  # the seed of a run without its record is unknown
+                seeds = CheckItem(
+                    item, title, "UNKNOWN", f"{seeds.detail}; not recorded by {', '.join(unknown)}"
+                )
+            items.append(seeds)
             continue
         diffs = sorted(differing[item], key=lambda d: d[2])  # the unexplained differences first
+        if not diffs and unknown:
+            items.append(CheckItem(item, title, "UNKNOWN", "not recorded by " + ", ".join(unknown)))
+            continue
         if not diffs:
             items.append(CheckItem(item, title, "same", _same_detail(item, common, arms)))
             continue

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trmoe.report.integrity import held_out_windows
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
 from trmoe.report.summary import Summary
 from trmoe.run.status import FINISHED
@@ -166,7 +167,7 @@ def paired(
     both it and the control finished; a diverged run (trmoe.report.integrity) is left out, with the reason,
     so that its non-finite or untrained loss never enters a mean or an interval."""
 
-    def by_seed(arm: Arm, excluded: list[str]) -> dict[int, float]:
+    def by_seed(arm: Arm, excluded: list[str]) -> dict[int, tuple[float, Run]]:
         out = {}
         for run in arm.runs:
             s = summaries[run.name]
@@ -174,17 +175,34 @@ def paired(
             if run.status == FINISHED and s.diverged:
                 excluded.append(f"{run.name} (seed {run.seed}): diverged: {s.diverged}")
             elif run.status == FINISHED and run.seed is not None and loss is not None:
-                out[run.seed] = loss
+                out[run.seed] = (loss, run)
         return out
 
+    def same_set(seed: int, mine: Run, theirs: Run, excluded: list[str]) -> bool:
+        """Both evaluated on one held-out set (its size in windows); an unknown one is not the same."""
+        a, b = held_out_windows(mine), held_out_windows(theirs)
+        if a is not None and a == b:
+            return True
+        excluded.append(
+            f"{mine.name} (seed {seed}): held-out set of {a if a is not None else 'unknown'} windows, the "
+            f"control's {b if b is not None else 'unknown'}: evaluations of different sets are not compared"
+        )
+        return False
+
     control_excluded: list[str] = []
-    base = by_seed(control, control_excluded)
+    base_runs = by_seed(control, control_excluded)
+    base = {seed: loss for seed, (loss, _) in base_runs.items()}
     pairs = []
     for arm in arms:
         if arm is control:
             continue
         excluded = list(control_excluded)
-        mine = by_seed(arm, excluded)
+        mine_runs = by_seed(arm, excluded)
+        mine = {
+            seed: loss
+            for seed, (loss, run) in mine_runs.items()
+            if seed not in base_runs or same_set(seed, run, base_runs[seed][1], excluded)
+        }
         seeds = sorted(set(mine) & set(base))
         pairs.append(
             Pair(

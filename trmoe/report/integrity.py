@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trmoe.durable import number
 from trmoe.report.runs import Run
 from trmoe.run.status import FINISHED
 
@@ -29,19 +30,16 @@ class Integrity:
     disagreements: list[str] = field(default_factory=list)  # records that contradict each other
 
 
-def _number(value) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def value_at(run: Run, step: float | None, column: str) -> float | None:
-    """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing:
-    metrics.csv writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
+    """The value of `column` in the row of `step` (NaN and inf kept; None if that row or column is missing,
+    or if rows of that step disagree on it: no figure is taken from one of two conflicting rows. metrics.csv
+    writes an empty evaluation as 'nan', so only the final row, always evaluated, tells)."""
     if step is None:
         return None
-    for row in reversed(run.rows):
-        if row.get("step") == step and column in row:
-            return row[column]
-    return None
+    values = [row[column] for row in run.rows if row.get("step") == step and column in row]
+    if len({"nan" if math.isnan(v) else v for v in values}) != 1:
+        return None
+    return values[-1]
 
 
 def assess(run: Run) -> Integrity:
@@ -49,12 +47,18 @@ def assess(run: Run) -> Integrity:
     last_logged = int(max(steps)) if steps else None
     planned = run.config_value("trainer.steps")
     status_record = run.status_record
-    recorded = _number(status_record.get("final_eval_loss"))
+    recorded = number(status_record.get("final_eval_loss"))  # "NaN" (json_text) included
     finished = run.status == FINISHED
     final_step = planned if finished and isinstance(planned, int) else last_logged
     out = Integrity(final_step=final_step, final_eval=None)
 
     logged = value_at(run, final_step, "eval_loss") if final_step is not None else None
+    twins = [r for r in run.rows if r.get("step") == final_step]
+    if len(twins) > 1:
+        out.disagreements.append(
+            f"metrics.csv has {len(twins)} rows for the final step {final_step}: a figure they disagree on "
+            "is unknown"
+        )
     if finished and last_logged != final_step:
         where = f"ends at step {last_logged}" if last_logged is not None else "has no rows"
         out.disagreements.append(
@@ -90,3 +94,33 @@ def _same(a: float, b: float) -> bool:
     if math.isinf(a) or math.isinf(b):
         return a == b
     return abs(a - b) <= _SAME * max(1.0, abs(a))
+
+
+def held_out_windows(run: Run) -> int | None:
+    """The size of the run's held-out set at its final step, in windows (run_config.json's
+    derived.eval_windows; for a run recorded before it, trainer.eval_batches x trainer.micro_batch); None
+    if unknown."""
+    recorded = (run.record.get("derived") or {}).get("eval_windows")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    batches, micro = run.config_value("trainer.eval_batches"), run.config_value("trainer.micro_batch")
+    return batches * micro if isinstance(batches, int) and isinstance(micro, int) else None
+
+
+def held_out_changes(run: Run) -> list[tuple[int, str]]:
+    """(step, what) for each resume that changed the held-out set: the evaluations up to that step scored
+    other windows than the ones after it."""
+    resumes = run.record.get("resumes")
+    out = []
+    for entry in resumes if isinstance(resumes, list) else []:
+        changes = entry.get("volatile_changes") if isinstance(entry, dict) else None
+        step = entry.get("from_step") if isinstance(entry, dict) else None
+        if not isinstance(changes, dict) or not isinstance(step, int):
+            continue
+        old, new = (changes.get("derived.eval_windows") or [None, None])[:2]
+        if isinstance(old, int) and isinstance(new, int):
+            if old != new:
+                out.append((step, f"{old} -> {new} windows"))
+        elif any(k in changes for k in ("trainer.micro_batch", "trainer.eval_batches")):
+            out.append((step, "trainer.eval_batches or trainer.micro_batch changed"))
+    return out

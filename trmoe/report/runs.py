@@ -9,6 +9,7 @@ that says so (Run.unreadable), which the report shows.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -18,6 +19,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trmoe.durable import nofollow
 from trmoe.run.rundir import MARKERS as RUN_MARKERS
 from trmoe.run.rundir import RUN_CONFIG as RECORD_FILE
 from trmoe.run.rundir import RunDir
@@ -180,20 +182,44 @@ class Run:
 
 
 def _read_metrics(path: Path, notes: list[str]) -> tuple[list[str], list[dict[str, float]]]:
+    """metrics.csv's columns and its complete rows, in step order, read by column name. A row is complete
+    when it has every column and a finite step, and its line ends: a last line without its line end was cut
+    short by a kill mid-write (its last value may be a prefix, "3.5" for 3.5373) and is left out. What is
+    left out, and rows out of step order (read sorted by step), are noted."""
     try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            rows = [{k: _float(v) for k, v in row.items() if k is not None} for row in reader]
-            return list(reader.fieldnames or []), rows
+        with open(path, newline="", opener=nofollow) as f:  # (a link: not this run's metrics)
+            text = f.read()
+        lines = list(csv.reader(io.StringIO(text)))
     except FileNotFoundError:
         return [], []
     except OSError as e:
         notes.append(f"{path.name} unreadable: {e.strerror or type(e).__name__}")
+        return [], []
     except UnicodeDecodeError:
         notes.append(f"{path.name} unreadable: not UTF-8 text")
+        return [], []
     except csv.Error as e:
         notes.append(f"{path.name} unreadable: not CSV ({e})")
-    return [], []
+        return [], []
+    if not lines:
+        return [], []
+    header, body = lines[0], lines[1:]
+    if body and not text.endswith(("\n", "\r")):
+        body = body[:-1]
+        notes.append(f"{path.name}: its last line is cut short (a write stopped mid-row): left out")
+    rows = [
+        {k: _float(v) for k, v in zip(header, line, strict=True)} for line in body if len(line) == len(header)
+    ]
+    incomplete = len(body) - len(rows)
+    complete = [r for r in rows if math.isfinite(r.get("step", math.nan))]
+    incomplete += len(rows) - len(complete)
+    if incomplete:
+        notes.append(f"{path.name}: {incomplete} incomplete row(s) (missing values or no step) left out")
+    steps = [r["step"] for r in complete]
+    if steps != sorted(steps):
+        notes.append(f"{path.name}: rows out of step order; read sorted by step")
+        complete.sort(key=lambda r: r["step"])
+    return header, complete
 
 
 def _read_record(path: Path, notes: list[str]) -> dict:

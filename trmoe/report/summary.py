@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from trmoe.model.flops import datasheet_peak, flops_terms
-from trmoe.report.integrity import assess, value_at
+from trmoe.report.integrity import assess, held_out_changes, value_at
 from trmoe.report.runs import Run
 
 # Throughput: the median of the logged tok/s windows after this step (the first steps include allocator and
@@ -25,13 +25,14 @@ class Summary:
     median_tok_s: float | None
     tok_s_rows: list[int]  # the steps whose windows the median is taken over
     mfu: float | None
-    tokens: int | None  # tokens trained so far (the last logged row)
+    tokens: int | None  # tokens trained by the final step (its row; None: unknown, the run's notes say why)
     params_total: int | None
     params_active: int | None
     sources: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # mixture: final
     # held-out (loss, bpb) of each source (metrics.csv eval_loss/<source>, eval_bpb/<source>)
     accuracies: dict[str, float | None] = field(default_factory=dict)  # downstream.tasks: the final
     # acc/<task> and acc_norm/<task> (metrics.csv columns; higher is better)
+    held_out_note: str | None = None  # the held-out set changed on a resume: best_eval covers the last set
     diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
     disagreements: list[str] = field(default_factory=list)  # its records contradict each other
 
@@ -84,7 +85,13 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
     evals = run.series("eval_loss")
     end = assess(run)  # the final step and its figures only (a diverged run's NaN is not skipped)
     final_eval = end.final_eval
-    best_eval = min((v for _, _, v in evals), default=None)
+    changes = held_out_changes(run)
+    since = changes[-1][0] if changes else -math.inf  # evaluations after the last change: the final set
+    best_eval = min((v for step, _, v in evals if step > since), default=None)
+    note = None
+    if changes:
+        what = "; ".join(f"at step {step} ({text})" for step, text in changes)
+        note = f"held-out set changed on resume {what}: best eval over the steps after {since} only"
 
     bpb, estimated = value_at(run, end.final_step, "eval_bpb"), False
     bpb = bpb if bpb is not None and math.isfinite(bpb) else None
@@ -108,7 +115,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         if flops and peak:  # tok/s is the whole job's, the peak one device's
             mfu = median_tok_s / world * flops / peak
 
-    tokens = run.series("tokens")
+    tokens = value_at(run, end.final_step, "tokens")
     params = run.record.get("params") or {}
     return Summary(
         final_eval=final_eval,
@@ -119,7 +126,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         median_tok_s=median_tok_s,
         tok_s_rows=[int(s) for s, _, _ in rows],
         mfu=mfu,
-        tokens=int(tokens[-1][2]) if tokens else None,
+        tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None,
         params_total=params.get("total"),
         params_active=params.get("active"),
         sources={
@@ -131,6 +138,7 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
             if c.startswith("eval_loss/")
         },
         accuracies={c: value_at(run, end.final_step, c) for c in run.columns if is_accuracy(c)},
+        held_out_note=note,
         diverged=end.diverged,
         disagreements=end.disagreements,
     )

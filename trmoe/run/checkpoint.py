@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from trmoe.config.schema import CheckpointConfig
-from trmoe.durable import fsync_dir, write_file
+from trmoe.durable import fsync_dir, json_text, number, write_file
 from trmoe.errors import UserError
 from trmoe.run.cadence import NEVER, Cadence
-from trmoe.run.rundir import CHECKPOINTS, RunDir
+from trmoe.run.rundir import CHECKPOINTS, LATEST, RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -61,7 +61,6 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 SEAL = "meta_crc32"
 META = "meta.json"
-LATEST = "latest"
 TORCH_PAYLOAD = "model_optim.pt"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # The copy a re-save of the same step set aside (`_move_into_place`): the checkpoint itself while no
@@ -252,13 +251,14 @@ _META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "derived": (lambda v: isinstance(v, dict), "an object"),
     "data": (lambda v: isinstance(v, dict), "an object"),
     "metrics": (lambda v: isinstance(v, dict), "an object"),
-    "eval_loss": (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    "eval_loss": (lambda v: number(v) is not None, "a number"),
 }
 _OPTIONAL = ("config", "derived", "data", "metrics", "eval_loss")
 
 
-def _meta_text(record: dict[str, Any]) -> str:
-    return json.dumps(record, indent=1, sort_keys=True) + "\n"
+def _meta_text(record: dict[str, Any], *, legacy: bool = False) -> str:
+    """meta.json's canonical text (`legacy`: as written before json_text, bare NaN for a diverged loss)."""
+    return (json.dumps if legacy else json_text)(record, indent=1, sort_keys=True) + "\n"
 
 
 def seal_meta(record: dict[str, Any]) -> str:
@@ -273,7 +273,8 @@ def _check_seal(path: Path, meta: dict[str, Any]) -> None:
     """The seal of a version-2 meta.json, and its step against the directory's name (`step_N`)."""
     if meta["format_version"] >= 2:
         content = {k: v for k, v in meta.items() if k != SEAL}
-        if SEAL not in meta or meta[SEAL] != zlib.crc32(_meta_text(content).encode()):
+        sealed = {zlib.crc32(_meta_text(content, legacy=legacy).encode()) for legacy in (False, True)}
+        if SEAL not in meta or meta[SEAL] not in sealed:
             raise CheckpointError(f"{path}: {META}: CRC32 mismatch (corrupted)")
     named = STEP_DIR.match(path.name) or REPLACED_DIR.match(path.name)
     if named is not None:

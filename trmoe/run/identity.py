@@ -60,6 +60,7 @@ VOLATILE_KEYS = (
     "data.pin_memory",
     "data.verify",
     "derived.world_size",
+    "derived.eval_windows",  # follows trainer.eval_batches and micro_batch; the report keeps sets apart
     "data_info.path",  # location; the content is identified by its hashes
     "data_info.*.path",  # (nested: data_info.shards.train.path, data_info.stream.path)
     "data_info.*.paths",  # the Parquet files' locations (their hashes: data_info.stream.files)
@@ -72,6 +73,15 @@ VOLATILE_KEYS = (
     "data_info.sources.*.metric_streams",
     "data_info.plan.*",  # a mixture's samples and epochs per source over trainer.steps (which may change)
 )
+
+
+# Keys a newer trmoe records that an older one did not: absent from a stored record, they are no difference
+# (a resume across the upgrade continues); present in both, they are compared like any other.
+ADDED_KEYS = ("data_info.*sample_sha256",)
+
+
+def _added_later(key: str, old: Any) -> bool:
+    return old == ABSENT and any(fnmatch.fnmatchcase(key, pattern) for pattern in ADDED_KEYS)
 
 
 def is_volatile(key: str) -> bool:
@@ -103,6 +113,9 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
         "global_batch_tokens": global_batch_tokens(t, world_size),
         "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
         "world_size": world_size,
+        # the held-out set: its first eval_batches x micro_batch windows (docs/data.md). Volatile, but an
+        # evaluation on another number of windows is another set: the report compares only equal ones
+        "eval_windows": t.eval_batches * t.micro_batch,
     }
 
 
@@ -168,6 +181,6 @@ def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None 
         if data_only is not None and key.startswith("data_info.") != data_only:
             continue
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
-        if a != b:
+        if a != b and not _added_later(key, a):
             (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
     return diff

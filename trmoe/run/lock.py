@@ -27,8 +27,10 @@ import socket
 import time
 from pathlib import Path
 
+from trmoe.durable import json_text, nofollow
 from trmoe.errors import RunFailed, UserError
 from trmoe.run.rundir import LOCK as LOCK_FILE
+from trmoe.run.rundir import RunDir
 
 log = logging.getLogger("trmoe")
 
@@ -54,10 +56,23 @@ def _describe(record: dict | None) -> str:
     return f"pid {record.get('pid')} on {record.get('host')}{job}, started {record.get('started')}"
 
 
+def refuse_links(run_dir: Path) -> None:
+    """UserError (one line, nothing written) when a bookkeeping file of `run_dir` is a symbolic link: trmoe
+    rewrites them in place, and a link would carry the write (or the read) outside the run directory."""
+    linked = RunDir(run_dir).linked()
+    if linked:
+        raise UserError(
+            f"run directory {run_dir}: {', '.join(linked)}: a symbolic link where trmoe keeps a record of "
+            "the run (it never writes or reads these through a link); replace it with a plain file or remove "
+            "it (nothing was changed)"
+        )
+
+
 def read_holder(run_dir: Path) -> dict | None:
     """The holder record of `run_dir`'s lock file (the last launch that held it; it may be dead)."""
     try:
-        record = json.loads((run_dir / LOCK_FILE).read_text())
+        with open(run_dir / LOCK_FILE, opener=nofollow) as f:
+            record = json.loads(f.read())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
@@ -89,9 +104,11 @@ class RunLock:
             raise RunFailed(f"cannot create the run directory {self.run_dir}: {e.strerror}") from None
         self._made = missing
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # O_NOFOLLOW: the holder record must never be written through a link
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    refuse_links(self.run_dir)
                 raise RunFailed(f"cannot lock the run directory {self.run_dir}: {e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,15 +139,22 @@ class RunLock:
                 same = False
             if same:
                 self._fd = fd
+                try:
+                    refuse_links(self.run_dir)
+                except UserError:
+                    self.release()
+                    raise
                 self._write_record()
                 return
             os.close(fd)
 
     def _write_record(self) -> None:
-        text = json.dumps(_holder_record()) + "\n"
+        text = json_text(_holder_record()) + "\n"
         if self._fd is None:  # taken over without the kernel lock: rewrite the record only
             try:
-                self.path.write_text(text)
+                refuse_links(self.run_dir)
+                with open(self.path, "w", opener=nofollow) as f:
+                    f.write(text)
             except OSError:
                 pass
             return

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import math
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trmoe.durable import write_file
+from trmoe.durable import json_text, nofollow, write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
 
@@ -119,7 +119,7 @@ def attach_rank_log(run_dir: Path, rank: int, early: EarlyLog | None = None) -> 
 
 
 def write_run_config(run_dir: Path, record: dict[str, Any]) -> None:
-    write_file(RunDir(run_dir).run_config, json.dumps({"schema_version": SCHEMA_VERSION, **record}, indent=2))
+    write_file(RunDir(run_dir).run_config, json_text({"schema_version": SCHEMA_VERSION, **record}, indent=2))
 
 
 def _fmt(value: Any) -> str:
@@ -128,11 +128,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.9g}"  # a 1e-4 loss difference at loss ~12 survives
     return str(value)
-
-
-def _first_line(path: Path) -> str:
-    with open(path, newline="") as f:
-        return f.readline().rstrip("\r\n")
 
 
 class StepCsv:
@@ -145,7 +140,13 @@ class StepCsv:
         self.path = path
         self.columns = tuple(columns)
         self.rows = rows if append else 0
-        self._file = open(path, "a" if append else "w", newline="")
+        if append:  # the file's header may name the same columns in another order, or more: by name
+            header, _ = read_step_rows(path, 0)
+            extra = [c for c in header or () if c not in self.columns]
+            self.columns = (*self.columns, *extra)
+            if header is not None and tuple(header) != self.columns:
+                _rewrite(path, self.columns, header)
+        self._file = open(path, "a" if append else "w", newline="", opener=nofollow)
         self._writer = csv.writer(self._file)
         if not append:
             self._writer.writerow(self.columns)
@@ -153,10 +154,11 @@ class StepCsv:
 
     @classmethod
     def continuing(cls, path: Path, columns: Sequence[str]) -> StepCsv:
-        """Append to `path` if it starts with this header (a resumed run's file), else start it. (`rows`
+        """Append to `path` if its header names these columns, in any order (a resumed run's file), else start
+        it. (`rows`
         then counts the rows this writer wrote.)"""
-        append = path.is_file() and _first_line(path) == ",".join(columns)
-        return cls(path, columns, append=append)
+        header = read_step_rows(path, 0)[0] if path.is_file() else None
+        return cls(path, columns, append=header is not None and set(header) == set(columns))
 
     def write(self, row: dict[str, Any]) -> None:
         self.write_rows([row])
@@ -180,7 +182,7 @@ class StepCsv:
         """Drop the rows after `step` (a rollback to that step's checkpoint) and go on appending."""
         self._file.close()
         self.rows = trim_csv(self.path, step)
-        self._file = open(self.path, "a", newline="")
+        self._file = open(self.path, "a", newline="", opener=nofollow)
         self._writer = csv.writer(self._file)
 
     def close(self) -> None:
@@ -189,23 +191,31 @@ class StepCsv:
 
 def read_step_rows(path: Path, through_step: int) -> tuple[list[str] | None, list[list[str]]]:
     """The header of a per-step CSV (metrics.csv, telemetry.csv; None if it is empty) and its complete rows
-    up to `through_step` (a line a kill cut short is dropped). A file that cannot be read as CSV text (binary
-    garbage, a directory) raises UserError naming it: a resume checks this before it writes anything."""
+    up to `through_step` (a line a kill cut short is dropped). The step is read from the column named
+    `step`, wherever the header puts it: every column is matched by name, never by position. A file that
+    cannot be read as CSV text (binary garbage, a directory, a link), or whose header has no `step` column,
+    raises UserError naming it: a resume checks this before it writes anything."""
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", opener=nofollow) as f:
             reader = csv.reader(f)
             header = next(reader, None)
             rows = list(reader)
     except (OSError, ValueError, csv.Error) as e:  # UnicodeDecodeError is a ValueError
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise UserError(f"{path} is unreadable ({reason}); move it aside to resume without it") from None
+    if header is None:
+        return None, []
+    if "step" not in header or len(set(header)) != len(header):
+        what = "no `step` column" if "step" not in header else "a column named twice"
+        raise UserError(f"{path}: its header has {what}; move it aside to resume without it") from None
+    at = header.index("step")
     kept = []
     for row in rows:
         try:
-            step = int(row[0])
+            step = int(row[at])
         except (ValueError, IndexError):
             continue  # a line a kill cut short
-        if step <= through_step and header is not None and len(row) == len(header):
+        if step <= through_step and len(row) == len(header):
             kept.append(row)
     return header, kept
 
@@ -213,12 +223,12 @@ def read_step_rows(path: Path, through_step: int) -> tuple[list[str] | None, lis
 def continue_metrics(path: Path, through_step: int) -> int:
     """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
     resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
-    from an older column set is migrated (new columns get nan; the original is kept as metrics.csv.orig).
+    from an older column set, or the same columns in another order, is migrated by column name (new columns
+    get nan; the original is kept as metrics.csv.orig).
     Per-source columns (`eval_loss/<source>`, after METRIC_COLUMNS) are kept. Returns the number of rows
     kept."""
-    header, rows = read_step_rows(path, through_step)
+    header, _ = read_step_rows(path, through_step)
     header = header if header is not None else list(METRIC_COLUMNS)
-    kept = [dict(zip(header, row, strict=True)) for row in rows]
     columns = (*METRIC_COLUMNS, *(c for c in header if "/" in c))
     if tuple(header) != columns:
         dropped = [c for c in header if c not in columns]
@@ -228,17 +238,28 @@ def continue_metrics(path: Path, through_step: int) -> int:
             f"; dropped {dropped}" if dropped else "",
             path.name,
         )
+    return _rewrite(path, columns, header, through_step)
+
+
+def _rewrite(
+    path: Path, columns: Sequence[str], header: Sequence[str], through_step: int | None = None
+) -> int:
+    """Rewrite `path` (header `header`) atomically with the header `columns`, each kept row's values moved
+    to the columns of the same name (nan where it has none); rows after `through_step` are dropped (None:
+    none are). Returns the number of rows kept."""
+    _, rows = read_step_rows(path, through_step if through_step is not None else sys.maxsize)
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(columns)
-    for row in kept:
-        writer.writerow([row.get(col, "nan") for col in columns])
+    for row in rows:
+        named = dict(zip(header, row, strict=True))
+        writer.writerow([named.get(col, "nan") for col in columns])
     write_file(path, out.getvalue())
-    return len(kept)
+    return len(rows)
 
 
 def trim_csv(path: Path, through_step: int) -> int:
-    """Keep the header and the rows whose first column (the step) is <= through_step, atomically (for
+    """Keep the header and the rows whose `step` column is <= through_step, atomically (for
     per-step CSVs besides metrics.csv, e.g. telemetry.csv). Returns the number of rows kept."""
     header, kept = read_step_rows(path, through_step)
     out = io.StringIO()

@@ -15,11 +15,16 @@
       profile/                torch.profiler traces (debug=profile)
       eval/<step>.json        python -m trmoe.eval's results for a checkpoint
 
+Every name but .lock belongs to the run: run.overwrite=true removes them all (`removable`), and any of them
+but status.json makes the directory hold a run (`held`). The bookkeeping files (BOOKKEEPING) are never
+followed through a symbolic link (`linked`; trmoe.run.lock refuses such a directory).
+
 This module only names paths; it imports nothing of trmoe's, so any tool may use it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,7 @@ METRICS = "metrics.csv"
 TELEMETRY = "telemetry.csv"
 CHECKPOINTS = "checkpoints"
 HYDRA = ".hydra"
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 RANK_LOGS = "logs"
 LOCK = ".lock"
 TRACKERS = "trackers.json"
@@ -37,8 +43,17 @@ TRACKER_DIRS = ("tensorboard", "wandb")
 PROFILE = "profile"
 EVAL = "eval"
 
-RUN_FILES = (RUN_CONFIG, METRICS)  # a directory holding either holds a run
+METRICS_BACKUP = METRICS + ".orig"
+LATEST = "latest"  # checkpoints/latest: the newest complete checkpoint's name
 STEP_CSVS = (TELEMETRY,)  # per-step records besides metrics.csv, trimmed like it on resume
+# Everything a run writes into its directory, .lock aside: what run.overwrite=true removes, and what makes a
+# directory hold a run (status.json alone does not: the app writes it for a sweep job that failed on its
+# config, before it had any record; every launch that got further wrote .hydra/ before status.json).
+RUN_FILES = (RUN_CONFIG, METRICS, METRICS_BACKUP, *STEP_CSVS, LOG, TRACKERS)
+RUN_DIRS = (CHECKPOINTS, HYDRA, RANK_LOGS, PROFILE, EVAL, *TRACKER_DIRS)
+# The bookkeeping files trmoe reads and rewrites in place: never followed when they are symbolic links (a
+# link would let a record of this run overwrite, or be read from, a file outside the run directory).
+BOOKKEEPING = (LOCK, STATUS, *RUN_FILES, f"{CHECKPOINTS}/{LATEST}", *(f"{HYDRA}/{n}" for n in HYDRA_FILES))
 MARKERS = (RUN_CONFIG, STATUS)  # what the report looks for to find the runs of a sweep
 
 
@@ -76,7 +91,7 @@ class RunDir:
 
     @property
     def metrics_backup(self) -> Path:
-        return self.path / (METRICS + ".orig")
+        return self.path / METRICS_BACKUP
 
     @property
     def telemetry(self) -> Path:
@@ -114,12 +129,16 @@ class RunDir:
         return [p for p in (self.metrics, *(self.path / n for n in STEP_CSVS)) if p.exists()]
 
     def held(self) -> list[str]:
-        """The run records this directory holds (without checkpoints/): non-empty means it holds a run."""
-        return [name for name in RUN_FILES if (self.path / name).exists()]
+        """The run files this directory holds (checkpoints/ aside, which the caller inspects): non-empty
+        means it holds a run, complete or not (a launch killed before run_config.json leaves .hydra/ and
+        train.log). Links count (lexists): a dangling one is still there."""
+        return [n for n in (*RUN_FILES, *RUN_DIRS) if n != CHECKPOINTS and os.path.lexists(self.path / n)]
 
     def removable(self) -> tuple[list[Path], list[Path]]:
-        """(files, directories) that make up a run: what run.overwrite=true removes."""
-        names = (*RUN_FILES, *STEP_CSVS, LOG, STATUS, TRACKERS)
-        files = [self.path / n for n in names] + [self.metrics_backup]
-        dirs = [self.checkpoints, self.hydra, self.path / RANK_LOGS, self.profile]
-        return files, dirs + [self.tracker_dir(n) for n in TRACKER_DIRS]
+        """(files, directories) that make up a run: what run.overwrite=true removes (every name of this
+        layout but .lock, held by the launch that removes them)."""
+        return [self.path / n for n in (*RUN_FILES, STATUS)], [self.path / n for n in RUN_DIRS]
+
+    def linked(self) -> list[str]:
+        """The bookkeeping files (BOOKKEEPING) that are symbolic links, relative to the run directory."""
+        return [n for n in BOOKKEEPING if (self.path / n).is_symlink()]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trmoe.durable import write_file
+from trmoe.durable import json_text, nofollow, write_file
 from trmoe.run.rundir import STATUS as STATUS_FILE
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
@@ -34,14 +34,14 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     can still be recorded; only if that fails too does the OSError propagate (status.json keeps its last
     value, and the run's one line on stderr is the record)."""
     record = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
-    text = json.dumps(record, indent=2) + "\n"
+    text = json_text(record, indent=2) + "\n"
     path = run_dir / STATUS_FILE
     try:
         write_file(path, text)
     except OSError:
         if not path.is_file():
             raise
-        with open(path, "r+") as f:
+        with open(path, "r+", opener=nofollow) as f:
             f.write(text)
             f.truncate()
             f.flush()
@@ -50,6 +50,7 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
 
 def read_status(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / STATUS_FILE).read_text())
+        with open(run_dir / STATUS_FILE, opener=nofollow) as f:  # (a link: no status of this run)
+            return json.loads(f.read())
     except (OSError, ValueError):
         return None

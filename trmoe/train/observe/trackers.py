@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trmoe.config.schema import LoggerConfig
-from trmoe.durable import write_file
+from trmoe.durable import json_text, write_file
 from trmoe.errors import UserError
 from trmoe.run.rundir import TRACKERS as TRACKERS_FILE
 
@@ -70,7 +70,7 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
         return {key: "null"}
     if isinstance(node, bool | int | float | str):
         return {key: node}
-    return {key: json.dumps(node)}
+    return {key: json_text(node)}
 
 
 def scalars(row: dict[str, Any], skip: tuple[str, ...] = ("step",)) -> dict[str, float]:
@@ -252,7 +252,7 @@ class Trackers:
     def _save(self) -> None:
         state = {name: t.state for name, t in self._trackers.items() if t.state}
         if state:
-            write_file(self.run_dir / TRACKERS_FILE, json.dumps(state, indent=2))
+            write_file(self.run_dir / TRACKERS_FILE, json_text(state, indent=2))
 
     def log(self, row: dict[str, Any], layers: list[dict[str, Any]] | None = None) -> None:
         """A metrics row and the telemetry.csv rows of the same step (`layers`, telemetry.moe), at once:

@@ -1,0 +1,90 @@
+"""The report's figures come from a complete row of the final step or are unknown with the reason
+(trmoe.report.runs, integrity, checks): fabricated run directories, no training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import cli
+
+from trmoe.report.runs import load_runs
+from trmoe.report.summary import summarize
+
+HEADER = "step,tokens,train_loss,eval_loss,eval_bpb"
+
+
+def _run(path: Path, lines: list[str], *, seed: int = 0, record: bool = True, end: str = "\n") -> Path:
+    """A finished 4-step run: run_config.json (unless `record` is False), status.json, metrics.csv of
+    `lines` (the last one ending with `end`)."""
+    path.mkdir(parents=True)
+    if record:
+        config = {"trainer": {"steps": 4, "seed": seed}, "model": {"vocab_size": 256}}
+        (path / "run_config.json").write_text(json.dumps({"schema_version": 1, "config": config}))
+    (path / "status.json").write_text(json.dumps({"status": "finished", "final_eval_loss": 3.4}))
+    (path / "metrics.csv").write_text("\n".join([HEADER, *lines]) + end)
+    return path
+
+
+ROWS = ["1,1024,5.0,nan,nan", "2,2048,4.5,4.0,4.1", "3,3072,4.0,nan,nan", "4,4096,3.6,3.4,3.5373"]
+
+
+def test_a_truncated_last_row_gives_no_figure(tmp_path):
+    """The kill cut the last line inside its eval_bpb (old code: eval_bpb 3.5 taken for 3.5373)."""
+    run_dir = _run(tmp_path / "r", [*ROWS[:3], "4,4096,3.6,3.4,3.5"], end="")
+    run = load_runs([run_dir])[0]
+    s = summarize(run)
+    assert s.eval_bpb is None and s.tokens is None and s.train_loss is None
+    assert s.final_eval == 3.4  # status.json's figure of the final step, which it recorded
+    assert any("last line is cut short" in note for note in run.unreadable)
+    assert any("ends at step 3" in d for d in s.disagreements)
+
+
+def test_rows_out_of_order_give_the_final_steps_figures(tmp_path):
+    """Old code: `tokens` from the physically last row (step 3's 3072)."""
+    run_dir = _run(tmp_path / "r", [ROWS[0], ROWS[1], ROWS[3], ROWS[2]])
+    run = load_runs([run_dir])[0]
+    s = summarize(run)
+    assert s.tokens == 4096 and s.eval_bpb == 3.5373 and s.train_loss == 3.6
+    assert any("out of step order" in note for note in run.unreadable)
+
+
+def test_two_rows_of_the_final_step_that_disagree_give_no_figure(tmp_path):
+    run_dir = _run(tmp_path / "r", [*ROWS, "4,4096,3.6,3.4,3.9"])
+    s = summarize(load_runs([run_dir])[0])
+    assert s.eval_bpb is None and s.tokens == 4096
+    assert any("2 rows for the final step 4" in d for d in s.disagreements)
+
+
+def test_a_run_without_run_config_never_counts_as_matching(tmp_path):
+    """Old code: "the runs match on every item" although one run's config was unknown."""
+    runs = tmp_path / "runs"
+    _run(runs / "a", ROWS)
+    _run(runs / "b", ROWS, record=False)
+    result = cli([str(runs), "--no-plots", "--quiet"], cwd=tmp_path, module="trmoe.report")
+    assert result.returncode == 0, result.stderr
+    md = (runs / "report.md").read_text()
+    assert "match on every item" not in md
+    assert "without a readable run_config.json" in md and "**UNKNOWN**" in md
+    checklist = md.split("## Comparability checklist", 1)[1]
+    assert "| same |" not in checklist.split("## ", 1)[0]
+
+
+def test_runs_on_different_held_out_sets_are_not_paired(tmp_path):
+    """The control evaluated on 8 windows, the arm on 4 (another trainer.micro_batch): no paired difference
+    (old code: the two losses were subtracted as if measured on one set)."""
+    from trmoe.report.compare import Arm, paired
+
+    runs = tmp_path / "runs"
+    for name, windows in (("control", 8), ("arm", 4)):
+        _run(runs / name, ROWS)
+        record = json.loads((runs / name / "run_config.json").read_text())
+        (runs / name / "run_config.json").write_text(
+            json.dumps({**record, "derived": {"eval_windows": windows}})
+        )
+    loaded = {r.name: r for r in load_runs([runs])}
+    summaries = {name: summarize(run) for name, run in loaded.items()}
+    control, arm = Arm("control", {}, [loaded["control"]]), Arm("arm", {}, [loaded["arm"]])
+    (pair,) = paired([control, arm], control, summaries)
+    assert pair.n == 0
+    assert any("held-out set of 4 windows, the control's 8" in e for e in pair.excluded)
