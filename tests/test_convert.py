@@ -132,6 +132,10 @@ def test_primary_weight_follows_the_runners_schedule():
     assert primary_weight(args, 80, 2) == 0.85
     assert primary_weight({**args, "steps": 3}, 1, 2) == 0.85  # R = 1: the final value outright
     assert primary_weight(args, 80, 1) == 1.0
+    # a ratio above 1 is clamped to 1 as the runner does: R = 100, not floor(100 * 2) = 200
+    clamped = {**args, "top_k_primary_weight_schedule_ratio": 2.0}
+    assert primary_weight(clamped, 23, 2) == pytest.approx(0.5 + 0.35 * (0.5 - 0.5 * math.cos(math.pi * 0.22)))
+    assert primary_weight(clamped, 101, 2) == 0.85
 
 
 def test_a_converted_reference_checkpoint_gives_the_same_logits(tmp_path):

@@ -54,13 +54,14 @@ def _refuse(source: Path, setting: str, value: Any, why: str) -> UserError:
 
 def primary_weight(args: dict[str, Any], step: int, top_k: int) -> float:
     """p of the runner's schedule at `step` (the last step the checkpoint trained): a cosine ramp from
-    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps."""
+    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps, the
+    ratio clamped to <= 1 as the runner clamps it (a ramp never outlasts the run)."""
     if top_k == 1:
         return 1.0
     a = min(max(float(args.get("top_k_primary_weight", 0.5)), 0.0), 1.0)
     final = args.get("top_k_primary_weight_final")
     b = a if final is None else min(max(float(final), 0.0), 1.0)
-    ratio = float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0)
+    ratio = min(float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0), 1.0)
     ramp = max(1, math.floor(max(1, int(args.get("steps", 1) or 1)) * ratio))
     if ratio <= 0 or ramp <= 1:
         return b
