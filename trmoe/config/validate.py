@@ -119,19 +119,24 @@ def validate(cfg: Config) -> None:
     _positive(m, "model", "num_experts", "vocab_pad_multiple")
     if m.vocab_size < 2:
         _fail("model.vocab_size", m.vocab_size, "must be at least 2")
-    if m.hidden_size % m.num_heads:
-        divisors = [  # listed for a plausible width only: a huge one would take forever to enumerate
+    if m.hidden_size % (2 * m.num_heads):  # hidden_size = num_heads x an even head_dim (RoPE rotates pairs)
+        if m.hidden_size % 2:  # no head count gives an even head_dim: the width is what is wrong
+            _fail(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be model.num_heads={m.num_heads} x an even head_dim (RoPE); "
+                f"allowed: a multiple of {2 * m.num_heads}",
+            )
+        heads = [  # listed for a plausible width only: a huge one would take forever to enumerate
             h
             for h in range(1, m.hidden_size + 1 if m.hidden_size <= 1 << 16 else 1)
-            if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
+            if m.hidden_size % (2 * h) == 0
         ] or "a divisor of it with an even quotient"
         _fail(
             "model.num_heads",
             m.num_heads,
-            f"must divide model.hidden_size={m.hidden_size}; allowed: {divisors}",
+            f"must divide model.hidden_size={m.hidden_size} into an even head_dim (RoPE); allowed: {heads}",
         )
-    if (m.hidden_size // m.num_heads) % 2:
-        _fail("model.num_heads", m.num_heads, "head_dim = hidden_size / num_heads must be even for RoPE")
     if cfg.attention.kind == AttentionKind.gqa and m.num_heads % m.num_kv_heads:
         allowed = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
         _fail(
