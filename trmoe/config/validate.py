@@ -274,6 +274,23 @@ def _validate_downstream(cfg: Config) -> None:
         _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
 
 
+def validate_eval_tool(tool) -> None:
+    """`python -m trmoe.eval`'s keys (EvalToolConfig), as downstream.* is checked for training; whether the
+    device is there is checked by the tool (it needs torch)."""
+    if tool.limit is not None and tool.limit < 1:
+        _fail("limit", tool.limit, "must be a positive integer (first N examples) or null (all)")
+    if tool.num_fewshot is not None and tool.num_fewshot < 0:
+        _fail("num_fewshot", tool.num_fewshot, "must be an integer >= 0 or null (each task's default)")
+    if tool.batch_size < 1:
+        _fail("batch_size", tool.batch_size, "must be a positive integer (requests per forward)")
+    if tool.step is not None and tool.step < 0:
+        _fail("step", tool.step, "must be an integer >= 0 or null (the newest complete checkpoint)")
+    if tool.device not in ("auto", "cpu", "cuda", "mps") and not tool.device.startswith("cuda:"):
+        _fail("device", tool.device, "allowed: auto, cpu, cuda, cuda:<n>, mps")
+    if tool.dtype not in ("auto", "fp32", "bf16", "fp16"):
+        _fail("dtype", tool.dtype, "allowed: auto, fp32, bf16, fp16")
+
+
 def _validate_streamed_data(d) -> None:
     """data=tokens and data=fineweb: where the data comes from, and options that only make sense there."""
     if d.source == DataSource.tokens and not d.path:
