@@ -318,6 +318,11 @@ def test_run_failed_is_exit_3_for_a_lock_that_cannot_be_made(tmp_path):
     (tmp_path / "runs").write_text("a file where the runs go")
     with pytest.raises(RunFailed, match="cannot create the run directory"):
         RunLock(tmp_path / "runs" / "x").acquire()
+    (tmp_path / "y" / LOCK_FILE).mkdir(parents=True)  # a .lock that is a directory is named as the cause
+    with pytest.raises(
+        RunFailed, match=f"cannot lock the run directory .*y: .*y/{LOCK_FILE}: Is a directory"
+    ):
+        RunLock(tmp_path / "y").acquire()
 
 
 # -------------------------------------------------------------------------------- prepare, interrupted

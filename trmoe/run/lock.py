@@ -91,8 +91,11 @@ class RunLock:
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise RunFailed(f"cannot lock the run directory {self.run_dir}: {e.strerror}") from None
+            except OSError as e:  # named: a .lock that is a directory, or not writable, is the cause
+                raise RunFailed(
+                    f"cannot lock the run directory {self.run_dir}: {self.path}: {e.strerror} "
+                    "(the lock file must be a writable regular file)"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
