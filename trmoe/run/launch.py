@@ -33,7 +33,6 @@ from trmoe.config.schema import Config
 from trmoe.errors import UserError
 from trmoe.run import records
 from trmoe.run.checkpoint import (
-    LATEST,
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
@@ -259,31 +258,13 @@ def _stored_view(record: dict[str, Any]) -> dict[str, Any]:
     return training_view(record.get("config", {}), record.get("derived"), record.get("data"))
 
 
-def _check_checkpoint_paths(store: CheckpointStore) -> None:
-    """Refused at launch, before a step is trained: a checkpoints/ that is not a directory (every save would
-    fail) and a `latest` pointer that is not a file (the run's one line would then misname the checkpoint)."""
-    if not store.enabled:
-        return
-    where, latest = store.directory, store.directory / LATEST
-    if where.exists() and not where.is_dir():
-        raise UserError(
-            f"{where}: not a directory, no checkpoint could be saved; allowed: a directory (move or remove "
-            "the file), or checkpoint.enabled=false (nothing was changed)"
-        )
-    if latest.is_symlink() or (latest.exists() and not latest.is_file()):
-        raise UserError(
-            f"{latest}: not a regular file; allowed: the text file naming the newest checkpoint (remove it: "
-            "the newest complete checkpoint is found without it) (nothing was changed)"
-        )
-
-
 def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStore) -> Launch:
     """Decide fresh / resume / restart / complete; raise UserError (exit 2) for anything that would overwrite
     or silently continue a different run. Reads only."""
     t = cfg.trainer
     how = t.resume.strip()
     run_dir = run.path
-    _check_checkpoint_paths(store)
+    store.check_paths()
     previous = _read_json(run.run_config)
     held = run.held()
     if previous is None and run.run_config.name in held:
