@@ -132,6 +132,12 @@ def test_primary_weight_follows_the_runners_schedule():
     assert primary_weight(args, 80, 2) == 0.85
     assert primary_weight({**args, "steps": 3}, 1, 2) == 0.85  # R = 1: the final value outright
     assert primary_weight(args, 80, 1) == 1.0
+    # a ratio above 1 is clamped to 1 as the runner does: R = 100, not floor(100 * 2) = 200
+    clamped = {**args, "top_k_primary_weight_schedule_ratio": 2.0}
+    assert primary_weight(clamped, 23, 2) == pytest.approx(
+        0.5 + 0.35 * (0.5 - 0.5 * math.cos(math.pi * 0.22))
+    )
+    assert primary_weight(clamped, 101, 2) == 0.85
 
 
 def test_a_converted_reference_checkpoint_gives_the_same_logits(tmp_path):
@@ -205,3 +211,48 @@ def test_settings_trmoe_cannot_express_are_refused_by_name(tmp_path, change, set
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and setting in lines[0] and "cannot be expressed in trmoe" in lines[0], out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def _drop(mapping: dict, key: str) -> None:
+    del mapping[key]
+
+
+def _reshape(state: dict, key: str) -> None:
+    state[key] = state[key][:-1].clone()
+
+
+MALFORMED = {  # what is wrong -> (how to break the file, what the one line must name)
+    "no model": (lambda c: _drop(c, "model"), "'model'"),
+    "no config": (lambda c: _drop(c, "config"), "'config'"),
+    "no args": (lambda c: _drop(c, "args"), "'args'"),
+    "no args.steps": (lambda c: _drop(c["args"], "steps"), "'steps'"),
+    "config without hidden_size": (lambda c: _drop(c["config"], "hidden_size"), "config.hidden_size"),
+    "missing tensor": (lambda c: _drop(c["model"], "layers.1.mlp.down_proj_w"), "layers.1.mlp.down_proj_w"),
+    "wrong shape": (lambda c: _reshape(c["model"], "layers.2.self_attn.q_proj.weight"), "q_proj.weight"),
+    "float route table": (
+        lambda c: c["model"].update({"layers.0.mlp.topk_token_to_expert": torch.zeros(2, V)}),
+        "topk_token_to_expert",
+    ),
+    "fewer layers in config": (lambda c: c["config"].update(num_hidden_layers=L - 1), "num_hidden_layers"),
+    "more layers in config": (lambda c: c["config"].update(num_hidden_layers=L + 1), f"layers.{L}."),
+    "zero heads": (lambda c: c["config"].update(num_attention_heads=0), "config.num_attention_heads=0"),
+    "negative step": (lambda c: c.update(step=-5), "step=-5"),
+    "fractional step": (lambda c: c.update(step=2.5), "step"),
+}
+
+
+@pytest.mark.parametrize("flaw", list(MALFORMED))
+def test_a_malformed_checkpoint_is_one_line_exit_2_and_nothing_written(tmp_path, flaw):
+    """Each kind of malformed file (absent keys, tensors of the wrong shape or kind, a config that
+    disagrees with the tensors, impossible sizes, a bad step, no args) is refused by name before a write."""
+    ckpt = _reference_checkpoint(_trmoe_model())
+    breaks, named = MALFORMED[flaw]
+    breaks(ckpt)
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    out = cli(
+        ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/x"], tmp_path, module="trmoe.convert"
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]

@@ -115,6 +115,7 @@ def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((text_run / "eval" / "60.json").read_text())
     assert record["step"] == 60 and TASK in record["results"]
+    assert record["num_fewshot"] is None and record["limit"] is None  # what the figures were made with
     print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
     again = cli(args, cwd=tmp_path, module="trmoe.eval")
     assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
@@ -180,3 +181,29 @@ def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and expected in lines[0], lines
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("limit=-1", "limit=-1: must be a positive integer"),
+        ("limit=0", "limit=0: must be a positive integer"),
+        ("batch_size=0", "batch_size=0: must be a positive integer"),
+        ("num_fewshot=-1", "num_fewshot=-1: must be an integer >= 0"),
+        ("step=-3", "step=-3: must be an integer >= 0"),
+        ("dtype=fp8", "dtype=fp8: allowed: auto, fp32, bf16, fp16"),
+        ("device=tpu", "device=tpu: allowed: auto, cpu"),
+        pytest.param(
+            "device=cuda",
+            "device=cuda: CUDA is not available here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: device=cuda is valid"),
+        ),
+    ],
+)
+def test_eval_keys_are_validated_before_anything_runs(tmp_path, key, expected):
+    """The tool's keys are checked as training checks downstream.*: one line, exit 2, nothing written (the
+    checks come before the run directory is even read, so an empty one does here)."""
+    result = cli([f"run={tmp_path}", f"tasks=[{TASK}]", f"include_path={TASKS}", key], tmp_path, "trmoe.eval")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -13,6 +13,7 @@ from presets import RESUME_SMALL
 
 from trmoe.errors import RunFailed
 from trmoe.run.checkpoint import load_checkpoint, read_pointer
+from trmoe.train import guards
 
 # ----------------------------------------------------------------------------------------- guards
 
@@ -103,6 +104,7 @@ def test_spike_rollback_recomputes_and_skips_the_offending_batch(monkeypatch, tm
     train_in_process(run_dir, *spike)
     log = (run_dir / "train.log").read_text()
     assert "step 7: loss spike" in log and "rolled back to step_00000005" in log
+    assert "rolled back to step_00000005: step 6 is recomputed, batch 7 is skipped" in log
     a, b = load_checkpoint(run_dir), load_checkpoint(reference)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
@@ -201,3 +203,9 @@ def test_out_of_disk_during_a_save_keeps_the_previous_checkpoint(monkeypatch, tm
         "step_00000003",
     ]
     assert_latest_sane(final)
+
+
+def test_the_rollback_message_never_names_an_empty_or_reversed_range():
+    assert guards.rollback_note(3, 4) == "no step is recomputed, batch 4 is skipped"  # was "steps 4..3"
+    assert guards.rollback_note(5, 7) == "step 6 is recomputed, batch 7 is skipped"
+    assert guards.rollback_note(5, 9) == "steps 6..8 are recomputed, batch 9 is skipped"

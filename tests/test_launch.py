@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_same_run, cli, metrics_rows, train_in_process, tree_digest
-from presets import RESUME_BASE, RESUME_SMALL
+from presets import RANDOM_IDS_CPU, RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
 from trmoe.run.checkpoint import load_checkpoint
@@ -263,3 +263,21 @@ def test_trainer_steps_below_the_checkpoint_is_named_first(small_run):
     with pytest.raises(UserError, match=r"trainer.steps=2: the checkpoint .* is at step 4; allowed: >= 4"):
         train_in_process(small_run, *RESUME_SMALL, "trainer.steps=2", "optimizer.warmup_steps=1")
     assert tree_digest(small_run) == before
+
+
+@pytest.mark.parametrize("where", ["checkpoints", "checkpoints/latest"])
+def test_a_checkpoints_dir_or_latest_pointer_of_the_wrong_kind_is_refused_at_launch(tmp_path, where):
+    """checkpoints/ replaced by a file (every save would fail after the whole run trained) and `latest`
+    replaced by a directory (its one line misnamed the checkpoint): one line naming the path, exit 2, before
+    a step is trained."""
+    run_dir = tmp_path / "runs" / "r"
+    if where == "checkpoints":
+        run_dir.mkdir(parents=True)
+        (run_dir / where).write_text("not a directory")
+    else:
+        (run_dir / where).mkdir(parents=True)
+    out = cli([*RANDOM_IDS_CPU, "trainer.steps=2", "run.name=r"], tmp_path)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert f"{where}: not a " in lines[0] and "Traceback" not in out.stderr
+    assert not (run_dir / "metrics.csv").exists()

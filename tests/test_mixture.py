@@ -339,3 +339,20 @@ def test_the_planner_shows_tokens_and_epochs_per_source(corpora):
     assert mix["help"]["epochs"] == pytest.approx(2560 / mix["help"]["windows"])
     text = render(plan)
     assert "data mixture" in text and f"{mix['help']['epochs']:.2f} epochs" in text
+
+
+def test_a_source_moved_with_the_same_bytes_resumes(corpora, trained, tmp_path):
+    """Location keys are volatile (docs/data.md): the same Parquet bytes at another path resume; what
+    identifies a source is its content."""
+    run_dir = tmp_path / "m"
+    shutil.copytree(trained, run_dir)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copy(corpora / "code.parquet", moved / "code.parquet")
+    threads = torch.get_num_threads()
+    try:
+        extend = ["trainer.micro_batch=8", "trainer.steps=13", "optimizer.decay_steps=12"]
+        train(compose_config(*mixture(moved), *RUN, *extend), run_dir)
+    finally:
+        torch.set_num_threads(threads)
+    assert "resumed at step 12" in (run_dir / "train.log").read_text()

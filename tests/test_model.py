@@ -11,6 +11,7 @@ from helpers import compose_config
 
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
+from trmoe.model.attention import RMSNorm
 from trmoe.model.moe import RoutedExperts, TRMoEFFN, route_weights, swiglu
 from trmoe.model.spec import ModelSpec, ffn_spec
 from trmoe.model.transformer import TRMoETransformer, count_parameters, parameter_counts
@@ -165,6 +166,25 @@ def test_bf16_parameters_with_fp32_buffers_stay_bf16(strategy):
     out = module(x.bfloat16(), ids, torch.tensor(0.5, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.02)
+
+
+def test_rms_norm_computes_in_fp64_for_fp64_inputs_and_in_fp32_otherwise():
+    """fp64 inputs (a converted checkpoint checked against the reference in fp64) keep fp64's precision;
+    fp32, bf16 and fp16 inputs are normalised in fp32 exactly as before."""
+    torch.manual_seed(0)
+    norm = RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48) + 0.5)
+    x = torch.randn(4, 7, 48, dtype=torch.float64) * 3
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    got = norm(x)
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max().item() <= 1e-15
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        xf = xd.float()
+        fp32 = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).to(dtype)
+        assert torch.equal(norm(xd), fp32), dtype
 
 
 def test_route_tuples_follow_a_loaded_route_table():

@@ -446,3 +446,87 @@ def test_stosign_max_decay_lets_the_scale_forget():
 
     assert torch.equal(scale_after(1.0), torch.full((4,), 10.0))  # a running maximum
     torch.testing.assert_close(scale_after(0.5), torch.full((4,), 2.5))  # 10 * 0.5 * 0.5
+
+
+# The old runner's AdamW groups for its default 100m model (fact sheet reference-formats-and-routing.md 1.2),
+# by its parameter names ({l}: every layer): (group, weight decay) -> members, and how many tensors it counts.
+OLD_RUNNER_GROUPS = {
+    ("base", 0.1): (["embed_tokens.weight", *(f"{{l}}.self_attn.{x}_proj.weight" for x in "kqvo")], 41),
+    ("base", 0.0): (
+        [
+            "{l}.input_layernorm.weight",
+            "{l}.self_attn.q_norm.weight",
+            "{l}.self_attn.k_norm.weight",
+            "{l}.post_attention_layernorm.weight",
+            "{l}.mlp.routed_output_gate",
+            "norm.weight",
+        ],
+        51,
+    ),
+    ("shared", 0.1): ([f"{{l}}.mlp.shared_{x}.weight" for x in ("gate", "up", "down")], 30),
+    ("shared", 0.0): (["{l}.mlp.shared_output_gate"], 10),
+    ("expert", 0.1): ([f"{{l}}.mlp.{x}_proj_w" for x in ("gate", "up", "down")], 30),
+}
+# its names -> trmoe's (fact sheet 1.3; q/k/v are one fused tensor, the experts' gate/up one w_in)
+TRMOE_NAME = {
+    "embed_tokens.weight": "embed.weight",
+    "norm.weight": "norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"self_attn.{x}_proj.weight": "attn.qkv.weight" for x in "qkv"},
+    "self_attn.o_proj.weight": "attn.out.weight",
+    **{f"self_attn.{x}_norm.weight": f"attn.{x}_norm.weight" for x in "qk"},
+    "mlp.routed_output_gate": "ffn.routed_gate",
+    "mlp.shared_output_gate": "ffn.shared_gate",
+    "mlp.shared_gate.weight": "ffn.shared.w_in",
+    "mlp.shared_up.weight": "ffn.shared.w_in",
+    "mlp.shared_down.weight": "ffn.shared.w_out",
+    "mlp.gate_proj_w": "ffn.routed.w_in",
+    "mlp.up_proj_w": "ffn.routed.w_in",
+    "mlp.down_proj_w": "ffn.routed.w_out",
+}
+
+
+def _old_runner_layout(layers: int) -> dict[tuple[str, float], set[str]]:
+    """The fact sheet's groups in trmoe's names (the tensor counts checked against the sheet's on the way)."""
+    out = {}
+    for group, (members, count) in OLD_RUNNER_GROUPS.items():
+        ref = [m.format(l=f"layers.{i}") for m in members for i in range(layers if "{l}" in m else 1)]
+        assert len(ref) == count, group
+        out[group] = {
+            f"blocks.{r.split('.')[1]}.{TRMOE_NAME[r.split('.', 2)[2]]}"
+            if r.startswith("layers.")
+            else TRMOE_NAME[r]
+            for r in ref
+        }
+    return out
+
+
+def _groups(cfg) -> dict[tuple[str, float], tuple[set[str], float]]:
+    """(role, weight decay) -> (parameter names, lr) of the optimizer build_optimizer makes for cfg."""
+    with torch.device("meta"):
+        model = TRMoETransformer(model_spec(cfg))
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("meta"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        (g["name"].removesuffix("_no_decay"), g["weight_decay"]): (
+            {names[id(p)] for p in g["params"]},
+            g["lr"],
+        )
+        for g in optimizer.param_groups
+    }
+
+
+def test_compat_old_runner_builds_the_old_runners_optimizer_groups_exactly():
+    """compat=old_runner: the same parameters in the same (group, weight decay) and at the same lr as the old
+    runner's AdamW on its default 100m model; trmoe's defaults differ in exactly the two documented ways."""
+    cfg = to_config(compose_config("model=100m", "compat=old_runner"))
+    assert (cfg.optimizer.lr, cfg.trainer.grad_clip, cfg.model.gates) == (3e-4, 0.0, True)
+    groups = _groups(cfg)
+    want = _old_runner_layout(cfg.model.num_layers)
+    assert {key: names for key, (names, _) in groups.items()} == want
+    assert {lr for _, lr in groups.values()} == {3e-4}  # --expert-lr-scale 1, --shared-lr-scale 1
+    default = _groups(to_config(compose_config("model=100m", "optimizer.lr=3e-4")))
+    moved = {n for n in want[("base", 0.0)] if n.endswith("routed_gate")}
+    assert default[("expert", 0.0)][0] == moved  # trmoe's default: the routed gate with the experts
+    assert "embed.weight" in default[("base", 0.0)][0]  # and the tied embedding not decayed

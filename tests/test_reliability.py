@@ -319,6 +319,11 @@ def test_run_failed_is_exit_3_for_a_lock_that_cannot_be_made(tmp_path):
     (tmp_path / "runs").write_text("a file where the runs go")
     with pytest.raises(RunFailed, match="cannot create the run directory"):
         RunLock(tmp_path / "runs" / "x").acquire()
+    (tmp_path / "y" / LOCK_FILE).mkdir(parents=True)  # a .lock that is a directory is named as the cause
+    with pytest.raises(
+        RunFailed, match=f"cannot lock the run directory .*y: .*y/{LOCK_FILE}: Is a directory"
+    ):
+        RunLock(tmp_path / "y").acquire()
 
 
 # -------------------------------------------------------------------------------- prepare, interrupted
@@ -460,10 +465,16 @@ def test_report_flags_diverged_runs_leaves_them_out_of_the_pairs_and_takes_final
         ),
         ("trainer.seed=-99999999999999999999", "trainer.seed=-99999999999999999999: must be an integer"),
         ("hardware.threads=100000", "hardware.threads=100000: this machine has"),
-        (
+        (  # an odd width: no head count works, so the width is blamed, not num_heads
             "model.hidden_size=1000000000000001",
-            "model.num_heads=4: must divide model.hidden_size=1000000000000001",
+            "model.hidden_size=1000000000000001: must be model.num_heads=4 x an even head_dim",
         ),
+        ("model.hidden_size=63", "model.hidden_size=63: must be model.num_heads=4 x an even head_dim"),
+        (
+            "model.hidden_size=1000000000000002",
+            "model.num_heads=4: must divide model.hidden_size=1000000000000002 into an even head_dim",
+        ),
+        ("model.hidden_size=36", "model.num_heads=4: must divide model.hidden_size=36 into an even head_dim"),
     ],
 )
 def test_out_of_range_integers_are_one_line_errors(override, needle):

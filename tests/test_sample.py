@@ -236,3 +236,9 @@ def test_capacity_is_checked_before_decoding():
     model = _model()
     with pytest.raises(UserError, match="max_seq_len"):
         generate(model, [[1] * 10], Sampling(max_new_tokens=model.spec.max_seq_len))
+    # a prompt longer than the context is blamed, not max_new_tokens ("allowed: at most 0")
+    limit = model.spec.max_seq_len
+    with pytest.raises(
+        UserError, match=f"^prompt: {limit + 5} tokens, longer than the model's max_seq_len={limit}"
+    ):
+        generate(model, [[1] * (limit + 5)], Sampling(max_new_tokens=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import yaml
 from helpers import cli
 from presets import TINY_RUN
@@ -45,3 +46,51 @@ def test_optuna_search_minimises_the_returned_loss_and_reports_trials(tmp_path):
     best = ranked[0]
     lr = yaml.safe_load((sweep / best / ".hydra" / "overrides.yaml").read_text())
     assert f"optimizer.lr={results['best_params']['optimizer.lr']}" in lr
+
+
+DIVERGE = """# @package _global_
+defaults:
+  - override /hydra/sweeper: optuna
+hydra:
+  mode: MULTIRUN
+  sweeper:
+    direction: minimize
+    study_name: diverge
+    storage: null
+    n_trials: 3
+    n_jobs: 1
+    max_failure_rate: 1.0
+    sampler:
+      _target_: optuna.samplers.TPESampler
+      seed: 42
+    params:
+      optimizer.lr: choice(1.0e-3, 1.0e+8)
+"""
+
+
+@pytest.mark.parametrize(
+    ("skip_nonfinite", "why"),
+    [
+        ("true", "RunFailed: stopped at step 2"),  # the guard stops the trial
+        ("false", "the objective (final held-out loss) is not finite"),  # the trial returns NaN
+    ],
+)
+def test_a_diverged_or_stopped_trial_is_failed_and_the_study_goes_on(tmp_path, skip_nonfinite, why):
+    """A trial at lr 1e8 (the TPE's first draw with seed 42) diverges: Optuna is told it failed, the other
+    trials run, the study's results and the report are written, and the report lists the failed trial."""
+    conf = tmp_path / "conf" / "hparams_search"
+    conf.mkdir(parents=True)
+    (conf / "diverge.yaml").write_text(DIVERGE)
+    base = [o for o in SEARCH if not o.startswith(("hparams_search=", "hydra.sweeper.n_trials="))]
+    args = ["--config-dir", str(tmp_path / "conf"), "hparams_search=diverge", *base]
+    out = cli([*args, f"guard.skip_nonfinite={skip_nonfinite}", "guard.max_skips=1"], tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"sweep job 0 failed: {why}" in out.stderr
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    assert sorted(d.name for d in sweep.iterdir() if d.is_dir() and d.name.isdigit()) == ["0", "1", "2"]
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_params"] == {"optimizer.lr": 0.001}
+    report = (sweep / "report.md").read_text()
+    trials = report.split("## Trials")[1].split("## Runs")[0]
+    row = next(line for line in trials.splitlines() if line.startswith("| 3 | 0 |"))
+    assert "failed" in row or "diverged" in row, row

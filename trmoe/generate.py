@@ -70,6 +70,11 @@ def generate(
         raise UserError("prompt: empty; allowed: at least one token")
     limit = model.spec.max_seq_len
     longest = max(len(p) for p in prompts)
+    if longest > limit:  # the prompt alone does not fit: no max_new_tokens would help
+        raise UserError(
+            f"prompt: {longest} tokens, longer than the model's max_seq_len={limit}; allowed: prompt tokens "
+            f"+ max_new_tokens <= {limit}"
+        )
     if longest + s.max_new_tokens > limit:
         raise UserError(
             f"max_new_tokens={s.max_new_tokens}: with a prompt of {longest} tokens it passes the model's "

@@ -105,6 +105,11 @@ class MuonScope(str, Enum):
     all = "all"  # every matrix except the tied embedding
 
 
+class GateGroup(str, Enum):
+    expert = "expert"  # the routed gate trains with the routed experts (expert_lr_scale)
+    base = "base"  # the routed gate trains in the base group (lr, as the old runner put it)
+
+
 class DecayShape(str, Enum):
     linear = "linear"  # 1 - x
     cosine = "cosine"  # (1 + cos(pi x)) / 2
@@ -273,6 +278,7 @@ class OptimizerConfig:
     expert_weight_decay: float | None = None  # None = weight_decay
     shared_weight_decay: float | None = None  # None = weight_decay
     decay_embedding: bool = False  # apply weight_decay to the tied embedding
+    routed_gate_group: GateGroup = GateGroup.expert  # group of the routed gate: expert | base (old runner's)
     schedule: LRSchedule = LRSchedule.cosine  # cosine: warmup then cosine to the floor; constant; wsd
     warmup_steps: int | None = None  # linear warmup over these optimizer steps; None = 5% of the horizon
     min_lr_ratio: float = 0.1  # floor of cosine and wsd as a fraction of lr

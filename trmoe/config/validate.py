@@ -113,19 +113,24 @@ def validate(cfg: Config) -> None:
     _positive(m, "model", "num_experts", "vocab_pad_multiple")
     if m.vocab_size < 2:
         _fail("model.vocab_size", m.vocab_size, "must be at least 2")
-    if m.hidden_size % m.num_heads:
-        divisors = [  # listed for a plausible width only: a huge one would take forever to enumerate
+    if m.hidden_size % (2 * m.num_heads):  # hidden_size = num_heads x an even head_dim (RoPE rotates pairs)
+        if m.hidden_size % 2:  # no head count gives an even head_dim: the width is what is wrong
+            _fail(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be model.num_heads={m.num_heads} x an even head_dim (RoPE); "
+                f"allowed: a multiple of {2 * m.num_heads}",
+            )
+        heads = [  # listed for a plausible width only: a huge one would take forever to enumerate
             h
             for h in range(1, m.hidden_size + 1 if m.hidden_size <= 1 << 16 else 1)
-            if m.hidden_size % h == 0 and (m.hidden_size // h) % 2 == 0
+            if m.hidden_size % (2 * h) == 0
         ] or "a divisor of it with an even quotient"
         _fail(
             "model.num_heads",
             m.num_heads,
-            f"must divide model.hidden_size={m.hidden_size}; allowed: {divisors}",
+            f"must divide model.hidden_size={m.hidden_size} into an even head_dim (RoPE); allowed: {heads}",
         )
-    if (m.hidden_size // m.num_heads) % 2:
-        _fail("model.num_heads", m.num_heads, "head_dim = hidden_size / num_heads must be even for RoPE")
     if cfg.attention.kind == AttentionKind.gqa and m.num_heads % m.num_kv_heads:
         allowed = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
         _fail(
@@ -261,6 +266,23 @@ def _validate_downstream(cfg: Config) -> None:
     _positive(ds, "downstream", "batch_size")
     if ds.include_path is not None and not os.path.isdir(ds.include_path):
         _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
+
+
+def validate_eval_tool(tool) -> None:
+    """`python -m trmoe.eval`'s keys (EvalToolConfig), as downstream.* is checked for training; whether the
+    device is there is checked by the tool (it needs torch)."""
+    if tool.limit is not None and tool.limit < 1:
+        _fail("limit", tool.limit, "must be a positive integer (first N examples) or null (all)")
+    if tool.num_fewshot is not None and tool.num_fewshot < 0:
+        _fail("num_fewshot", tool.num_fewshot, "must be an integer >= 0 or null (each task's default)")
+    if tool.batch_size < 1:
+        _fail("batch_size", tool.batch_size, "must be a positive integer (requests per forward)")
+    if tool.step is not None and tool.step < 0:
+        _fail("step", tool.step, "must be an integer >= 0 or null (the newest complete checkpoint)")
+    if tool.device not in ("auto", "cpu", "cuda", "mps") and not tool.device.startswith("cuda:"):
+        _fail("device", tool.device, "allowed: auto, cpu, cuda, cuda:<n>, mps")
+    if tool.dtype not in ("auto", "fp32", "bf16", "fp16"):
+        _fail("dtype", tool.dtype, "allowed: auto, fp32, bf16, fp16")
 
 
 def _validate_streamed_data(d) -> None:

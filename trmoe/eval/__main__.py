@@ -26,6 +26,7 @@ def compose(overrides: list[str]):
     import trmoe.config.schema  # noqa: F401  (registers eval_tool)
     from trmoe.config.resolve import compose_error
     from trmoe.config.schema import EvalToolConfig
+    from trmoe.config.validate import validate_eval_tool
 
     if any(a in ("-h", "--help") for a in overrides):
         print(__doc__)
@@ -36,7 +37,18 @@ def compose(overrides: list[str]):
         tool: EvalToolConfig = OmegaConf.to_object(cfg)
     except Exception as e:
         raise UserError(f"python -m trmoe.eval: {compose_error(e)}") from None
+    validate_eval_tool(tool)
     return tool
+
+
+def _check_device(device: str) -> None:
+    """A device asked for by name must be there (never a silent fall-back to the CPU)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={device}: CUDA is not available here; allowed: auto, cpu")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device=mps: MPS is not available here; allowed: auto, cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     tool = compose(argv)
+    _check_device(tool.device)
     from trmoe.eval import load_tasks, run_tasks
     from trmoe.eval.lm import TRMoELM
     from trmoe.load import find_checkpoint
@@ -69,6 +82,7 @@ def _main(argv: list[str]) -> int:
         "checkpoint": str(info.path.resolve()),
         "tasks": list(tool.tasks),
         "limit": tool.limit,
+        "num_fewshot": tool.num_fewshot,  # None: each task's own default
         "seconds": round(time.perf_counter() - start, 3),
         "results": results["results"],
         "n-samples": results.get("n-samples"),

@@ -10,7 +10,8 @@ from trmoe.model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * w, computed in fp32 for stability, weight initialised to 1."""
+    """x * rsqrt(mean(x^2) + eps) * w, weight initialised to 1. Computed in fp32 for bf16/fp16/fp32 inputs
+    (stability) and in fp64 for fp64 inputs (an fp64 check must not be capped at fp32's rounding)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -18,9 +19,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
+        return (xf * self.weight.to(xf.dtype)).type_as(x)
 
 
 def rope_cache(

@@ -1,7 +1,8 @@
 """The optimizers (optimizer.name): adamw, muon_tr, stosignsgd. Update rules: docs/optimizers.md.
 
 Parameters fall in three roles: routed experts (w_in, w_out and the routed gate), shared expert (its
-matrices and gate) and base (embedding, attention, norms). Each role has its own lr scale and weight
+matrices and gate) and base (embedding, attention, norms; and the routed gate with
+optimizer.routed_gate_group=base, where the old runner put it). Each role has its own lr scale and weight
 decay. Only matrices are decayed: norms, gates and other 1-D/0-D tensors never are, and the tied
 embedding only when optimizer.decay_embedding is set.
 
@@ -18,14 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from trmoe.config.schema import MuonScope, OptimizerConfig, OptimizerName
+from trmoe.config.schema import GateGroup, MuonScope, OptimizerConfig, OptimizerName
 from trmoe.optim.muon import Muon
 from trmoe.optim.stosignsgd import StoSignSGD
 
 
-def param_group_name(name: str) -> str:
+def param_group_name(name: str, routed_gate_group: GateGroup = GateGroup.expert) -> str:
     """'expert', 'shared' or 'base' from a parameter's name in TRMoETransformer."""
-    if ".ffn.routed." in name or name.endswith("ffn.routed_gate"):
+    if name.endswith("ffn.routed_gate"):
+        return routed_gate_group.value
+    if ".ffn.routed." in name:
         return "expert"
     if ".ffn.shared." in name or name.endswith("ffn.shared_gate"):
         return "shared"
@@ -66,7 +69,7 @@ def split_param_groups(model: nn.Module, cfg: OptimizerConfig, muon: bool) -> tu
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        role = param_group_name(name)
+        role = param_group_name(name, cfg.routed_gate_group)
         if muon and _on_muon(name, p, role, cfg.muon_scope):
             gate_up = cfg.muon_split_gate_up and name.endswith("w_in")
             muon_buckets.setdefault((role, gate_up), []).append(p)

@@ -435,6 +435,23 @@ class CheckpointStore:
                 raise CheckpointError(f"{file}: CRC32 mismatch (corrupted)")
         return CheckpointInfo(path=path, step=int(meta["step"]), meta=meta)
 
+    def check_paths(self) -> None:
+        """Refused at launch, before a step is trained: a checkpoints/ that is not a directory (every save
+        would fail) and a `latest` that is not a file (the run's one line would misname the checkpoint)."""
+        if not self.enabled:
+            return
+        where, latest = self.directory, self.directory / LATEST
+        if where.exists() and not where.is_dir():
+            raise UserError(
+                f"{where}: not a directory, no checkpoint could be saved; allowed: a directory (move or "
+                "remove the file), or checkpoint.enabled=false (nothing was changed)"
+            )
+        if latest.is_symlink() or (latest.exists() and not latest.is_file()):
+            raise UserError(
+                f"{latest}: not a regular file; allowed: the text file naming the newest checkpoint (remove "
+                "it: the newest complete checkpoint is found without it) (nothing was changed)"
+            )
+
     def newest_good(self, *, at_most: int | None = None) -> CheckpointInfo | None:
         """The newest checkpoint that verifies; each unusable newer one is reported (warning) and skipped."""
         for step, path in reversed(self.step_dirs()):

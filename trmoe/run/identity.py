@@ -67,7 +67,10 @@ VOLATILE_KEYS = (
     "data_info.name",  # a text corpus is named by its file's location ("text:/abs/path")
     "data_info.eval_*",  # the evaluation set's size follows trainer.eval_batches and micro_batch
     "data_info.metric_streams",
-    "data.sources.*.text_path",  # data=mixture: as data.text_path, for each source
+    "data.sources.*.text_path",  # data=mixture: as data.text_path, data.path, data.eval_path, per source
+    "data.sources.*.path",
+    "data.sources.*.eval_path",
+    "data_info.sources.*.name",  # a text source is named by its file's location
     "data_info.sources.*.path",
     "data_info.sources.*.eval_*",
     "data_info.sources.*.metric_streams",

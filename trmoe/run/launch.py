@@ -264,6 +264,7 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
     t = cfg.trainer
     how = t.resume.strip()
     run_dir = run.path
+    store.check_paths()
     previous = _read_json(run.run_config)
     held = run.held()
     if previous is None and run.run_config.name in held:

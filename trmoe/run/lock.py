@@ -106,10 +106,13 @@ class RunLock:
         while True:
             try:  # O_NOFOLLOW: the holder record must never be written through a link
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as e:
+            except OSError as e:  # named: a .lock that is a directory, or not writable, is the cause
                 if e.errno == errno.ELOOP:
                     refuse_links(self.run_dir)
-                raise RunFailed(f"cannot lock the run directory {self.run_dir}: {e.strerror}") from None
+                raise RunFailed(
+                    f"cannot lock the run directory {self.run_dir}: {self.path}: {e.strerror} "
+                    "(the lock file must be a writable regular file)"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

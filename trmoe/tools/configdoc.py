@@ -57,6 +57,13 @@ SECTIONS = [
         "Debugging aids; the presets also set trainer and checkpoint keys (conf/debug/*.yaml).",
     ),
     (
+        "compat",
+        None,
+        "Another runner's training-step defaults where trmoe's differ: `compat=old_runner` gives the old "
+        "runner's optimizer groups (the routed gate in the base group, the tied embedding decayed), no "
+        "clipping, its lr, gate init and p and diversity schedules (docs/coming-from-the-old-runner.md).",
+    ),
+    (
         "hparams_search",
         None,
         "Optuna hyper-parameter searches (hydra-optuna-sweeper, the `search` extra): each preset sets "

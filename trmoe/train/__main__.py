@@ -43,8 +43,27 @@ def _remove_empty_dirs(path: Path) -> None:
         path = path.parent
 
 
+class TrialFailed(Exception):
+    """An Optuna trial whose job failed or whose objective is not finite: raised out of the job, so that the
+    sweeper tells Optuna the trial FAILED (told as a value, NaN makes Optuna raise and the study die)."""
+
+
 @hydra.main(version_base="1.3", config_path="pkg://trmoe.conf", config_name="config")
 def _app(cfg: DictConfig) -> float:
+    value = _job(cfg)
+    hc = HydraConfig.get()
+    if "optuna" in str(hc.sweeper.get("_target_", "")).lower() and not value == value:  # NaN: failed
+        run_dir = Path(hc.runtime.output_dir)
+        record = status.read_status(run_dir) or {}
+        line = record.get("error") or "the objective (final held-out loss) is not finite: the trial diverged"
+        if not record.get("error"):
+            print(f"trmoe: sweep job {hc.job.num} failed: {line}", file=sys.stderr)
+            _failed_jobs.append(f"{run_dir}: {line}")
+        raise TrialFailed(f"trial {hc.job.num}: {line}")
+    return value
+
+
+def _job(cfg: DictConfig) -> float:
     global _task_started
     _task_started = True
     hc = HydraConfig.get()

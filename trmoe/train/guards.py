@@ -135,3 +135,16 @@ class StepGuard:
 
     def apply_carry(self, carry: dict[str, Any]) -> None:
         self.spikes, self.rollbacks, self.dropped = carry["spikes"], carry["rollbacks"], set(carry["dropped"])
+
+
+def rollback_note(restored: int, step: int) -> str:
+    """What a rollback from `step` to the checkpoint of step `restored` redoes, in words: the steps between
+    them are recomputed (none when the checkpoint is the step just before) and batch `step` is skipped."""
+    first, last = restored + 1, step - 1
+    if first > last:
+        redo = "no step is recomputed"
+    elif first == last:
+        redo = f"step {first} is recomputed"
+    else:
+        redo = f"steps {first}..{last} are recomputed"
+    return f"{redo}, batch {step} is skipped"

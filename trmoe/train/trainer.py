@@ -354,7 +354,7 @@ class Trainer:
         guard.apply_carry(carry)
         self.output.rewind(target.step)
         self.store.last_saved = target.step
-        recomputed = f"steps {target.step + 1}..{step - 1} are recomputed, batch {step} is skipped"
+        recomputed = guards.rollback_note(target.step, step)
         log.warning("step %d: %s; rolled back to %s: %s", step, reason, target.path.name, recomputed)
         # the same state again, now with the skipped batch in its train state: a kill before the next
         # checkpoint resumes from it and skips that batch too, as the uninterrupted run does

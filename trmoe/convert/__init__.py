@@ -17,18 +17,22 @@ construction, which builds the placeholder the saved table replaces. p is the va
 trained with (the runner's schedule, not `config.top_k_primary_weight`, its start value).
 
 A setting trmoe cannot express (learned hash pair gates, a non-zero hash channel modulation, lsh_hidden, an
-FFN or attention type trmoe does not have, other fixed facts) is refused with one line naming it (exit 2).
+FFN or attention type trmoe does not have, other fixed facts) is refused with one line naming it (exit 2), and
+so is a malformed file, before anything is written: a missing top-level key (`args` too: p is computed from
+it), a `step` that is not an integer >= 0, a model size in `config` that is not a positive integer (or heads
+that do not divide the hidden size), and any tensor missing, of the wrong shape or dtype, or left over (a
+config that disagrees with the tensors: more or fewer layers than `num_hidden_layers`).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 from trmoe import cli
 from trmoe.cli import Parser
+from trmoe.convert.checks import check_record, check_state
 from trmoe.durable import json_text, staged_dir, write_file
 from trmoe.errors import UserError
 
@@ -53,13 +57,14 @@ def _refuse(source: Path, setting: str, value: Any, why: str) -> UserError:
 
 def primary_weight(args: dict[str, Any], step: int, top_k: int) -> float:
     """p of the runner's schedule at `step` (the last step the checkpoint trained): a cosine ramp from
-    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps."""
+    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps, the
+    ratio clamped to <= 1 as the runner clamps it (a ramp never outlasts the run)."""
     if top_k == 1:
         return 1.0
     a = min(max(float(args.get("top_k_primary_weight", 0.5)), 0.0), 1.0)
     final = args.get("top_k_primary_weight_final")
     b = a if final is None else min(max(float(final), 0.0), 1.0)
-    ratio = float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0)
+    ratio = min(float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0), 1.0)
     ramp = max(1, math.floor(max(1, int(args.get("steps", 1) or 1)) * ratio))
     if ratio <= 0 or ramp <= 1:
         return b
@@ -83,7 +88,7 @@ def _scales(config: dict[str, Any], branch: str, layers: int) -> tuple[float, fl
 
 def _overrides(source: Path, ckpt: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """The trmoe overrides that build the checkpoint's model, and what the conversion records."""
-    config, args, state = ckpt["config"], ckpt.get("args") or {}, ckpt["model"]
+    config, args, state = ckpt["config"], ckpt["args"], ckpt["model"]
     mlp = config.get("mlp_type")
     if mlp not in FFN_TYPES:
         raise _refuse(source, "mlp_type", mlp, "only the token-routed FFN converts")
@@ -112,16 +117,15 @@ def _overrides(source: Path, ckpt: dict[str, Any]) -> tuple[list[str], dict[str,
         int(config["num_hidden_layers"]),
         int(config["num_attention_heads"]),
     )
-    head_dim = hidden // heads
-    kv = (
-        state["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
-    )  # config.num_key_value_heads lies (1.6)
     shared = (
         int(config.get("shared_intermediate_size") or config["intermediate_size"])
         if config.get("shared_expert", True)
         else 0
     )
     gates = bool(config.get("shared_expert", True) and config.get("use_shared_routed_gates", False))
+    check_state(source, ckpt, gates, shared)
+    # config.num_key_value_heads lies (1.6): n_kv from k_proj's rows
+    kv = state["layers.0.self_attn.k_proj.weight"].shape[0] // (hidden // heads)
     top_k = int(config.get("top_k", 1))
     step = int(ckpt["step"])
     p = primary_weight(args, step, top_k)
@@ -207,14 +211,7 @@ def _state(source: Path, ckpt: dict[str, Any], spec) -> dict[str, Any]:
             out[t + "ffn.routed_gate"] = ref[m + "routed_output_gate"]
         out[t + "ffn.routed.w_in"] = torch.cat([ref[m + "gate_proj_w"], ref[m + "up_proj_w"]], dim=2)
         out[t + "ffn.routed.w_out"] = ref[m + "down_proj_w"]
-        table = ref[m + "topk_token_to_expert"]
-        if table.shape != (spec.top_k, spec.vocab_size):
-            raise _refuse(
-                source,
-                f"{m}topk_token_to_expert",
-                tuple(table.shape),
-                f"expected {(spec.top_k, spec.vocab_size)}",
-            )
+        table = ref[m + "topk_token_to_expert"]  # its shape is checked (_check_state)
         if int(table.min()) < 0 or int(table.max()) >= spec.num_experts:
             raise UserError(
                 f"convert: {source}: {m}topk_token_to_expert has expert ids outside 0..{spec.num_experts - 1}"
@@ -252,10 +249,7 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
         raise UserError(
             f"convert: {source}: not a loadable torch checkpoint ({type(exc).__name__})"
         ) from None
-    if not isinstance(ckpt, dict) or not {"step", "model", "config"} <= set(ckpt):
-        raise UserError(
-            f"convert: {source}: not an old-runner checkpoint (needs the keys step, model, config)"
-        )
+    check_record(source, ckpt)
     overrides, record = _overrides(source, ckpt)
     raw = compose_packaged(overrides)
     cfg = to_config(raw)
@@ -305,7 +299,3 @@ def _main(argv: list[str]) -> int:
     out = convert_reference(args.checkpoint, args.out)
     print(f"converted {args.checkpoint} -> {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
