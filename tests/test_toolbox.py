@@ -94,9 +94,9 @@ def test_debug_overfit_drives_the_loss_of_one_batch_near_zero(tmp_path, one_thre
 
 
 def test_debug_profile_writes_a_trace_and_the_top_ops(tmp_path, one_thread):
-    train(compose_config(*FAST, "debug=profile", "trainer.steps=5"), tmp_path / "r")
+    train(compose_config(*FAST, "debug=profile", "trainer.steps=10"), tmp_path / "r")  # as documented
     traces = list((tmp_path / "r" / "profile").glob("*.pt.trace.json"))
-    assert len(traces) == 1
+    assert len(traces) == 1  # one trace of the documented steps, not one per 4 steps
     events = json.loads(traces[0].read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}  # wait 1 (step 1), warm-up 1 (step 2): steps 3, 4
