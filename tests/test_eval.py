@@ -180,6 +180,13 @@ def test_the_harness_command_line_knows_every_model_and_trmoe(text_run, exported
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("trmoe: step=7")
 
 
+def test_help_lists_the_keys_and_their_defaults(tmp_path):
+    result = cli(["--help"], cwd=tmp_path, module="trmoe.eval")
+    assert result.returncode == 0
+    for key in ("run=(required)", "tasks=[]", "batch_size=8", "device=auto", "include_path=null"):
+        assert key in result.stdout, key
+
+
 def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
     from trmoe.eval.__main__ import main
 
