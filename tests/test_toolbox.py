@@ -23,12 +23,16 @@ FAST = [*FAST_CPU, "trainer.micro_batch=2", "trainer.log_every=2"]
 
 
 def test_progress_bar_mode_keeps_every_log_line_in_train_log(tmp_path, one_thread, capsys):
-    train(compose_config(*FAST, "run.progress=bar", "trainer.steps=6"), tmp_path / "r")
+    cfg = compose_config(*FAST, "run.progress=bar", "trainer.steps=6", "trainer.eval_every=4")
+    train(cfg, tmp_path / "r")
     log = (tmp_path / "r" / "train.log").read_text()
     for step in (1, 2, 4, 6):
         assert f"step {step}/6 | loss " in log
     assert "| mfu " in log and "| mem " in log
-    assert "step 4/6 | loss" not in capsys.readouterr().out  # on the console the bar shows it
+    console = capsys.readouterr()
+    assert "step 4/6 | loss" not in console.out  # on the console the bar shows it
+    for step in (4, 6):  # each evaluation printed as a line of its own, not only in the bar
+        assert f"step {step} | eval " in console.out + console.err
 
 
 def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
