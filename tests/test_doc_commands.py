@@ -301,3 +301,22 @@ def test_every_documented_command(world):
         for (f, start) in SKIPPED
         if c.file == f and c.text.startswith(start)
     }, "a SKIPPED entry matches no command: drop it"
+
+
+def test_the_docs_state_the_sweep_layout_and_trial_count_the_config_has():
+    """multirun/README.md's folder layout is hydra.sweep.dir's (a date, a time and a random suffix), its
+    submitit log folder the launcher's, and the README's Optuna comment counts the preset's trials."""
+    from omegaconf import OmegaConf
+
+    from trmoe.config.resolve import compose_packaged
+
+    layout = (ROOT / "multirun" / "README.md").read_text()
+    hydra = compose_packaged([], hydra_node=True).hydra
+    assert OmegaConf.to_container(hydra.sweep)["dir"] == "multirun/${now:%Y-%m-%d}/${trmoe.stamp:%H-%M-%S}"
+    assert "`multirun/<date>/<time>-<random>/<job number>/`" in layout  # trmoe.stamp adds the suffix
+    launcher = compose_packaged(["hydra/launcher=submitit_local"], hydra_node=True).hydra.launcher
+    assert OmegaConf.to_container(launcher)["submitit_folder"] == "${hydra.sweep.dir}/.submitit/%j"
+    assert "`<sweep dir>/.submitit/<job id>/`" in layout
+    trials = compose_packaged(["hparams_search=lr_warmup"], hydra_node=True).hydra.sweeper.n_trials
+    readme = (ROOT / "README.md").read_text()
+    assert f"{trials} trials by default" in readme
