@@ -230,6 +230,9 @@ def test_smoke_sweep_report_has_a_row_per_arm_pairs_checklist_and_plots(smoke_sw
     with open(smoke_sweep / "report.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["arm"] for r in rows) == sorted(f"arm={a}" for a in arms)  # one row per arm
+    assert (
+        "MFU peaks (run_config.json `mfu_peak`" in md and "(measured 1024^3 float32 GEMM)" in md
+    )  # the source
     assert all(r["status"] == "finished" for r in rows)
     assert len({r["params_total"] for r in rows}) == 1 and rows[0]["params_total"] == "12924480"
     assert all(r["match_residual"] == "0" for r in rows)

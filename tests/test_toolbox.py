@@ -48,10 +48,26 @@ def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
     log = (tmp_path / "r" / "train.log").read_text()
     assert "peak 0.5 TFLOP/s (hardware.peak_tflops)" in log
 
-    train(compose_config(*FAST, "trainer.steps=2"), tmp_path / "probe")  # CPU: a measured peak
-    assert "TFLOP/s (measured 512^3 float32 GEMM)" in (tmp_path / "probe" / "train.log").read_text()
-    mfu = [float(r["mfu"]) for r in metrics_rows(tmp_path / "probe") if r["step"] != "0"]
+    probe = tmp_path / "probe"
+    horizon = ["checkpoint.every_steps=2", "optimizer.decay_steps=4", "optimizer.warmup_steps=1"]
+    train(compose_config(*FAST, "trainer.steps=2", *horizon), probe)  # CPU: a measured peak
+    assert "TFLOP/s (measured 1024^3 float32 GEMM)" in (probe / "train.log").read_text()
+    mfu = [float(r["mfu"]) for r in metrics_rows(probe) if r["step"] != "0"]
     assert all(0 < m < 1 for m in mfu), mfu
+    recorded = json.loads((probe / "run_config.json").read_text())["mfu_peak"]
+    assert recorded["source"] == "measured 1024^3 float32 GEMM" and recorded["flops"] > 0
+    # a resumed attempt's MFU is against the same peak (re-measuring on a loaded machine moved it 3x)
+    train(compose_config(*FAST, "trainer.steps=4", *horizon), probe)
+    again = json.loads((probe / "run_config.json").read_text())["mfu_peak"]
+    assert again["flops"] == recorded["flops"]
+    assert again["source"] == "measured 1024^3 float32 GEMM, recorded by the first attempt"
+    # never above the peak measured the same way: the best of several GEMMs of that size, one thread
+    from trmoe.train.observe.meters import probe_peak_flops
+
+    best = max(recorded["flops"], probe_peak_flops(torch.device("cpu"), torch.float32))
+    flops = flops_per_token(spec, count_parameters(TRMoETransformer(spec)), config.trainer.seq_len)
+    for row in metrics_rows(probe)[1:]:
+        assert float(row["tok_s"]) * flops <= best, row
 
 
 def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread):

@@ -127,6 +127,12 @@ class Trainer:
         self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
         self._outcome: BaseException | None = None  # how the run ended, for the trackers
         self._clock = time.perf_counter()
+        self._peak = meters.peak_flops(  # (FLOP/s, source) of the mfu column; announced before the files open
+            device,
+            self.amp_dtype,
+            cfg.hardware.peak_tflops,
+            (self.launch.previous or {}).get("mfu_peak"),  # an earlier attempt's measured peak
+        )
         self._grad_norm = torch.zeros((), device=device)
 
     def facts(self) -> RunFacts:
@@ -143,6 +149,7 @@ class Trainer:
             checkpoints=self.store.enabled,
             data=self.data.info,
             metrics_columns=self.columns,
+            mfu_peak=meters.peak_record(self.device, *self._peak),
             controls={
                 "loss_backend": self.objective.loss_backend.value,
                 **self.scheduler.record(),  # optimizer groups, schedules
@@ -169,7 +176,7 @@ class Trainer:
             self.efficiency = meters.EfficiencyMeter(
                 self.device,
                 flops_per_token(self.model.spec, self.param_counts, self.t.seq_len),
-                *meters.peak_flops(self.device, self.amp_dtype, cfg.hardware.peak_tflops),
+                *self._peak,
             )
             self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, self.device))
             if cfg.debug.anomaly:
