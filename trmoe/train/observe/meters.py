@@ -10,6 +10,7 @@ MFU of a run's attempts is against one figure.
 
 from __future__ import annotations
 
+import functools
 import logging
 import resource
 import sys
@@ -28,7 +29,13 @@ PROBE_REPS = 5
 def probe_peak_flops(
     device: torch.device, dtype: torch.dtype, n: int = PROBE_N, reps: int = PROBE_REPS
 ) -> float:
-    """Measured FLOP/s of an n^3 GEMM on `device` in `dtype`: the best of `reps`, after one warm-up."""
+    """Measured FLOP/s of an n^3 GEMM on `device` in `dtype`: the best of `reps`, after one warm-up; once
+    per process and thread count (a sweep's jobs in one process share it: ~0.3 s on one CPU core)."""
+    return _probe(device, dtype, n, reps, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(device: torch.device, dtype: torch.dtype, n: int, reps: int, _threads: int) -> float:
     gen = torch.Generator(device=device).manual_seed(0)  # its own: the run's global RNG stays untouched
     a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
     times = []
