@@ -260,6 +260,13 @@ def test_cli_cfg_job_and_help(tmp_path: Path):
     for group in GROUPS:
         assert f"{group}:" in result.stdout
     assert list(tmp_path.rglob("*")) == []
+    import torch
+
+    import trmoe
+
+    result = cli(["--version"], cwd=tmp_path)  # trmoe's version and torch's, not Hydra's alone
+    assert result.returncode == 0 and result.stdout.startswith(f"trmoe {trmoe.__version__} ")
+    assert f"torch {torch.__version__}" in result.stdout
 
 
 def test_configuration_reference_is_generated_from_the_schema():

@@ -1,7 +1,8 @@
 """Downstream evaluation through lm-evaluation-harness: trmoe's model class scores a local multiple-choice
 task exactly as log-likelihoods computed by hand from trmoe's model; rolling log-likelihood and generation
-requests; `python -m trmoe.eval` writes <run>/eval/<step>.json; the exported directory works with the
-harness's own `hf` model; bad input is one line and exit 2."""
+requests; `python -m trmoe.eval` writes <run>/eval/<step>.json; `trmoe-lm-eval` runs lm-eval's own task
+YAMLs with `--model trmoe` on a run and the harness's `hf` model on its export, alike; bad input is one line
+and exit 2."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli
+from presets import TRAINING_SENTENCES
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
@@ -122,46 +124,68 @@ def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
     shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
 
-def test_the_harness_command_line_knows_model_trmoe(text_run, tmp_path):
-    args = [
-        "--model",
-        "trmoe",
-        "--model_args",
-        f"run={text_run},step=60",
-        "--batch_size",
-        "4",
-        "--tasks",
-        TASK,
-    ]
-    result = cli(
-        [*args, "--include_path", str(TASKS), "--limit", "2"], cwd=tmp_path, module="trmoe.eval.harness"
+def _lambada_local(folder: Path) -> Path:
+    """lm-eval's own lambada_openai task YAML, with its data location overridden to a local JSONL file of the
+    training sentences (the task's prompts, target and metrics are the harness's)."""
+    import lm_eval
+
+    own = Path(lm_eval.__file__).parent / "tasks" / "lambada" / "lambada_openai.yaml"
+    folder.mkdir()
+    data = folder / "lambada_local.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in TRAINING_SENTENCES))
+    (folder / "lambada_local.yaml").write_text(
+        f"include: {own}\ntask: lambada_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "trmoe_tiny_mc" in result.stdout and "acc_norm" in result.stdout
-    bad = cli(
+    return folder
+
+
+def test_the_harness_command_line_knows_every_model_and_trmoe(text_run, exported, tmp_path):
+    """`trmoe-lm-eval` (the harness's own CLI): `--model trmoe` on a run and `--model hf` on its export score
+    lm-eval's own lambada_openai YAML (data overridden to local files) alike; a bad step is one line."""
+    tasks = _lambada_local(tmp_path / "tasks")
+    common = ["--tasks", "lambada_local", "--include_path", str(tasks), "--batch_size", "4"]
+    ours = cli(
+        ["--model", "trmoe", "--model_args", f"run={text_run},step=60", *common, "--output_path", "ours"],
+        cwd=tmp_path,
+        module="trmoe.eval.harness",
+    )
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    theirs = cli(
         [
             "--model",
-            "trmoe",
+            "hf",
             "--model_args",
-            f"run={text_run},step=7",
-            "--tasks",
-            TASK,
-            "--include_path",
-            str(TASKS),
+            f"pretrained={exported},trust_remote_code=True,dtype=float32",
+            "--device",
+            "cpu",
+            *common,
+            "--output_path",
+            "theirs",
         ],
+        cwd=tmp_path,
+        module="trmoe.eval.harness",
+    )
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    figures = [
+        json.loads(next((tmp_path / name).rglob("results_*.json")).read_text())["results"]["lambada_local"]
+        for name in ("ours", "theirs")
+    ]
+    assert figures[0]["acc,none"] == figures[1]["acc,none"]
+    assert figures[0]["perplexity,none"] == pytest.approx(figures[1]["perplexity,none"], rel=1e-3)
+    bad = cli(
+        ["--model", "trmoe", "--model_args", f"run={text_run},step=7", *common],
         cwd=tmp_path,
         module="trmoe.eval.harness",
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("trmoe: step=7")
 
 
-def test_exported_directory_with_the_harness_hf_model(exported, lm):
-    from lm_eval.models.huggingface import HFLM
-
-    hf = HFLM(pretrained=str(exported), trust_remote_code=True, dtype="float32", batch_size=4, device="cpu")
-    theirs = run_tasks(hf, [TASK], include_path=str(TASKS), bootstrap_iters=0)["results"][TASK]
-    ours = run_tasks(lm, [TASK], include_path=str(TASKS), bootstrap_iters=0)["results"][TASK]
-    assert theirs["acc,none"] == ours["acc,none"] and theirs["acc_norm,none"] == ours["acc_norm,none"]
+def test_help_lists_the_keys_and_their_defaults(tmp_path):
+    result = cli(["--help"], cwd=tmp_path, module="trmoe.eval")
+    assert result.returncode == 0
+    for key in ("run=(required)", "tasks=[]", "batch_size=8", "device=auto", "include_path=null"):
+        assert key in result.stdout, key
 
 
 def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):

@@ -70,7 +70,7 @@ def test_generate_with_the_cache_matches_trmoe(text_run, exported, hf_model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(exported)
-    tok.padding_side = "left"
+    assert tok.padding_side == "left"  # the tokenizer config's: batched generation pads on the left
     prompts = ["The cat sat on", "Water"]
     batch = tok(prompts, return_tensors="pt", padding=True)
     out = hf_model.generate(**batch, max_new_tokens=6, do_sample=False, use_cache=True)
@@ -88,6 +88,37 @@ def test_generate_with_the_cache_matches_trmoe(text_run, exported, hf_model):
         cached = hf_model(ids[:, -2:], cache=step.cache, use_cache=True).logits
         full = hf_model(ids, use_cache=False).logits[:, -2:]
     assert (cached - full).abs().max() < 1e-4
+
+
+def test_conventions_a_user_of_transformers_expects(text_run, exported, hf_model, caplog):
+    """No warning on a batched generate (max length from the model's context, left padding); no local
+    path in config.json (the run's name and the weights' hash instead); files readable like any other."""
+    import hashlib
+    import os
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(exported)
+    batch = tok(["The cat sat on", "Water"], return_tensors="pt", padding=True)
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+        warnings.simplefilter("always")
+        hf_model.generate(**batch, max_new_tokens=3, do_sample=False)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert not said, "\n".join(said)
+    assert "max_length" not in json.loads((exported / "generation_config.json").read_text())
+    text = (exported / "config.json").read_text()
+    assert str(text_run) not in text and str(text_run.parent) not in text and '"/' not in text
+    source = json.loads(text)["trmoe"]
+    assert source["run"] == text_run.name and source["step"] == 60
+    weights = hashlib.sha256((exported / "model.safetensors").read_bytes()).hexdigest()
+    assert source["weights_sha256"] == weights
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in exported.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, (path.name, oct(path.stat().st_mode))
+    assert exported.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_tokenizer_encodes_as_trmoe(exported):

@@ -71,6 +71,13 @@ def test_newton_schulz_orthogonalises_each_slice():
         assert cos > 0.95  # close to the exact polar factor U V^T
 
 
+def test_torch_muon_still_cannot_carry_the_expert_tensors():
+    """Why muon_tr is trmoe's own (trmoe/optim/muon.py): torch.optim.Muon takes 2-D parameters only. When
+    this fails, torch can carry [E, A, B] experts: adopt it as muon_tr's base."""
+    with pytest.raises(ValueError, match="2D"):
+        torch.optim.Muon([torch.nn.Parameter(torch.zeros(4, 8, 16))])
+
+
 def test_muon_direction_is_per_expert_and_per_half():
     g = torch.Generator().manual_seed(1)
     u = torch.randn(4, 32, 2 * 8, generator=g)  # [E, H, 2I] like routed w_in

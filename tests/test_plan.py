@@ -137,8 +137,22 @@ def _flop_mapping() -> dict:
     }
 
 
-def test_flops_per_token_equal_an_independent_count_on_the_tiny_profile():
-    spec = model_spec(to_config(compose_config("model=tiny", "trainer.seq_len=32")))
+@pytest.mark.parametrize(
+    "variant",
+    [
+        (),
+        ("attention=mha",),
+        ("attention=mqa", "routing.top_k=1"),
+        ("model.num_experts=1", "routing.top_k=1"),
+    ],
+    ids=["tiny-gqa-top2", "mha", "mqa-top1", "dense-control"],
+)
+def test_flops_per_token_equal_torch_flop_counter_per_profile(variant):
+    """model/flops.py against torch.utils.flop_counter.FlopCounterMode on a real forward and backward, per
+    attention kind and FFN shape of the tiny profile: the GEMMs exactly; attention as documented (the
+    counter counts SDPA's full S x S square, forward and backward; the formula x3 for the backward and
+    halved for the causal mask)."""
+    spec = model_spec(to_config(compose_config("model=tiny", "trainer.seq_len=32", *variant)))
     torch.manual_seed(0)
     model = TRMoETransformer(spec)
     batch, seq = 2, 32

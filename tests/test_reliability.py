@@ -237,6 +237,30 @@ def test_ctrl_c_and_a_closed_terminal_stop_at_a_step_boundary_like_sigterm(tmp_p
     assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.subprocess
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
+    """Ctrl-C while the app loads (imports, composition, the run's set-up) and before any checkpoint: one
+    line, exit 130, no traceback, no (empty) run directory, no "resumes from its checkpoint" hint."""
+    run_dir = tmp_path / "runs" / "r"
+    for when in ("imports", "set-up"):  # Python loading the app; the run directory made, no step yet
+        proc = _spawn([*TINY, "run.name=r", "trainer.steps=100000"], tmp_path)
+        if when == "imports":
+            time.sleep(0.3)
+        else:
+            wait_until(run_dir.exists, "the run directory", proc)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=120)[0]
+        lines = out.strip().splitlines()
+        assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+        assert lines[-1].startswith("trmoe: interrupted") and "resumes" not in out, out[-3000:]
+        assert (
+            not run_dir.exists()
+            or not (run_dir / "checkpoints").exists()
+            or any((run_dir / "checkpoints").iterdir())
+        ), sorted(map(str, run_dir.rglob("*")))
+        assert not (tmp_path / "runs").exists() or any((tmp_path / "runs").iterdir())  # no empty folder
+
+
 # ------------------------------------------------------------------------------ full disk, read-only disk
 
 

@@ -23,12 +23,16 @@ FAST = [*FAST_CPU, "trainer.micro_batch=2", "trainer.log_every=2"]
 
 
 def test_progress_bar_mode_keeps_every_log_line_in_train_log(tmp_path, one_thread, capsys):
-    train(compose_config(*FAST, "run.progress=bar", "trainer.steps=6"), tmp_path / "r")
+    cfg = compose_config(*FAST, "run.progress=bar", "trainer.steps=6", "trainer.eval_every=4")
+    train(cfg, tmp_path / "r")
     log = (tmp_path / "r" / "train.log").read_text()
     for step in (1, 2, 4, 6):
         assert f"step {step}/6 | loss " in log
     assert "| mfu " in log and "| mem " in log
-    assert "step 4/6 | loss" not in capsys.readouterr().out  # on the console the bar shows it
+    console = capsys.readouterr()
+    assert "step 4/6 | loss" not in console.out  # on the console the bar shows it
+    for step in (4, 6):  # each evaluation printed as a line of its own, not only in the bar
+        assert f"step {step} | eval " in console.out + console.err
 
 
 def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
@@ -44,10 +48,26 @@ def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
     log = (tmp_path / "r" / "train.log").read_text()
     assert "peak 0.5 TFLOP/s (hardware.peak_tflops)" in log
 
-    train(compose_config(*FAST, "trainer.steps=2"), tmp_path / "probe")  # CPU: a measured peak
-    assert "TFLOP/s (measured 512^3 float32 GEMM)" in (tmp_path / "probe" / "train.log").read_text()
-    mfu = [float(r["mfu"]) for r in metrics_rows(tmp_path / "probe") if r["step"] != "0"]
+    probe = tmp_path / "probe"
+    horizon = ["checkpoint.every_steps=2", "optimizer.decay_steps=4", "optimizer.warmup_steps=1"]
+    train(compose_config(*FAST, "trainer.steps=2", *horizon), probe)  # CPU: a measured peak
+    assert "TFLOP/s (measured 1024^3 float32 GEMM)" in (probe / "train.log").read_text()
+    mfu = [float(r["mfu"]) for r in metrics_rows(probe) if r["step"] != "0"]
     assert all(0 < m < 1 for m in mfu), mfu
+    recorded = json.loads((probe / "run_config.json").read_text())["mfu_peak"]
+    assert recorded["source"] == "measured 1024^3 float32 GEMM" and recorded["flops"] > 0
+    # a resumed attempt's MFU is against the same peak (re-measuring on a loaded machine moved it 3x)
+    train(compose_config(*FAST, "trainer.steps=4", *horizon), probe)
+    again = json.loads((probe / "run_config.json").read_text())["mfu_peak"]
+    assert again["flops"] == recorded["flops"]
+    assert again["source"] == "measured 1024^3 float32 GEMM, recorded by the first attempt"
+    # never above the peak measured the same way: the best of several GEMMs of that size, one thread
+    from trmoe.train.observe.meters import probe_peak_flops
+
+    best = max(recorded["flops"], probe_peak_flops(torch.device("cpu"), torch.float32))
+    flops = flops_per_token(spec, count_parameters(TRMoETransformer(spec)), config.trainer.seq_len)
+    for row in metrics_rows(probe)[1:]:
+        assert float(row["tok_s"]) * flops <= best, row
 
 
 def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread):
@@ -94,9 +114,9 @@ def test_debug_overfit_drives_the_loss_of_one_batch_near_zero(tmp_path, one_thre
 
 
 def test_debug_profile_writes_a_trace_and_the_top_ops(tmp_path, one_thread):
-    train(compose_config(*FAST, "debug=profile", "trainer.steps=5"), tmp_path / "r")
+    train(compose_config(*FAST, "debug=profile", "trainer.steps=10"), tmp_path / "r")  # as documented
     traces = list((tmp_path / "r" / "profile").glob("*.pt.trace.json"))
-    assert len(traces) == 1
+    assert len(traces) == 1  # one trace of the documented steps, not one per 4 steps
     events = json.loads(traces[0].read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}  # wait 1 (step 1), warm-up 1 (step 2): steps 3, 4

@@ -52,7 +52,7 @@ def _csv_series(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def _telemetry_series(run_dir: Path) -> dict[str, dict[int, float]]:
-    """telemetry.csv as {telemetry/layer_<i>/<column>: {step: value}} over its finite values."""
+    """telemetry.csv as {moe/layer_<i>/<column>: {step: value}} over its finite values."""
     with open(run_dir / "telemetry.csv") as f:
         rows = list(csv.DictReader(f))
     keys = [(int(r["layer"]), int(r["step"])) for r in rows]
@@ -61,7 +61,7 @@ def _telemetry_series(run_dir: Path) -> dict[str, dict[int, float]]:
     for row in rows:
         for key, text in row.items():
             if key not in ("step", "layer") and text and math.isfinite(float(text)):
-                series.setdefault(f"telemetry/layer_{row['layer']}/{key}", {})[int(row["step"])] = float(text)
+                series.setdefault(f"moe/layer_{row['layer']}/{key}", {})[int(row["step"])] = float(text)
     return series
 
 
@@ -76,6 +76,20 @@ def _tensorboard(log_dir: Path):
 def _tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = _tensorboard(log_dir)
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+_READ_MLFLOW = """
+import json, sys
+from mlflow.tracking import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+out = []
+for run in client.search_runs([client.get_experiment_by_name("trmoe").experiment_id]):
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+               for k in run.data.metrics}
+    out.append({"run_id": run.info.run_id, "name": run.info.run_name, "status": run.info.status,
+                "params": run.data.params, "tags": run.data.tags, "history": history})
+print(json.dumps(out))
+"""
 
 
 # (the kill, the steps the killed attempt logged that the rerun logs again, what the rerun says)
@@ -99,10 +113,14 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
     assert sorted(expected["train_loss"]) == list(range(1, 9))
     assert set(expected) >= {"train_loss", "eval_loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib"}
     layers = _telemetry_series(run_dir)  # the tiny model: 2 layers, 4 experts
-    assert sorted(layers["telemetry/layer_1/imbalance"]) == list(range(1, 9))
-    assert {f"telemetry/layer_{i}/{c}" for i in (0, 1) for c in ("share_3", "dead", "grad_norm_0")} <= set(
-        layers
+    assert sorted(layers["moe/layer_1/imbalance"]) == list(range(1, 9))
+    assert {f"moe/layer_{i}/{c}" for i in (0, 1) for c in ("share_3", "dead", "grad_norm_0")} <= set(layers)
+    # the trackers' names: in sections (train/loss, throughput/mfu, ...), metrics.csv's columns unchanged
+    expected = {trackers.tracker_name(k): v for k, v in expected.items()}
+    assert {"train/loss", "eval/loss", "throughput/tok_s", "throughput/mfu", "memory/peak_gib"} <= set(
+        expected
     )
+    assert {"optim/lr", "optim/grad_norm"} <= set(expected)
 
     # TensorBoard: what the killed attempt logged past the checkpoint is purged by the reader
     tb = _tensorboard_series(run_dir / "tensorboard")
@@ -114,40 +132,45 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
         for step, value in points:
             assert value == pytest.approx(want[step], rel=1e-6, abs=1e-12), (tag, step)
     acc = _tensorboard(run_dir / "tensorboard")  # each layer's expert shares as a histogram too
-    assert {t for t in acc.Tags()["histograms"]} == {"telemetry/layer_0/shares", "telemetry/layer_1/shares"}
+    assert {t for t in acc.Tags()["histograms"]} == {"moe/layer_0/shares", "moe/layer_1/shares"}
     for layer in (0, 1):
-        events = acc.Histograms(f"telemetry/layer_{layer}/shares")
+        events = acc.Histograms(f"moe/layer_{layer}/shares")
         assert [e.step for e in events] == list(range(1, 9))
         for e in events:
-            shares = [layers[f"telemetry/layer_{layer}/share_{x}"][e.step] for x in range(4)]
+            shares = [layers[f"moe/layer_{layer}/share_{x}"][e.step] for x in range(4)]
             h = e.histogram_value
             assert (h.num, h.min, h.max) == (4, pytest.approx(min(shares)), pytest.approx(max(shares)))
             assert h.sum == pytest.approx(1.0)
 
-    # MLflow's file store beside the run directory: one run (the same id after the resume), its history
-    from mlflow.tracking import MlflowClient
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as trmoe sets it for its default store
-    client = MlflowClient(tracking_uri=(tmp_path / "runs" / "mlruns").as_uri())
-    experiment = client.get_experiment_by_name("trmoe")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.run_id == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
-    assert run.info.run_name == "r" and run.info.status == "FINISHED"
-    assert run.data.params["optimizer.lr"] == "0.003" and run.data.params["model.name"] == "tiny"
-    assert run.data.tags["trmoe.run_dir"] == str(run_dir.resolve())
-    telemetry = {k.replace("/", "."): v for k, v in layers.items()}  # telemetry.layer_<i>.<column>
-    assert set(client.get_run(run.info.run_id).data.metrics) == set(expected) | set(telemetry)
-    for key, values in (expected | telemetry).items():
-        history = client.get_metric_history(run.info.run_id, key)
-        steps = [m.step for m in history]
+    # MLflow's local database beside the run directories, read by MLflow's own client in a process that never
+    # set MLFLOW_ALLOW_FILE_STORE (as a user's script or `mlflow ui` would): one run, its params, its history
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    read = subprocess.run(
+        [sys.executable, "-c", _READ_MLFLOW, f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert read.returncode == 0, read.stderr[-3000:]
+    (run,) = json.loads(read.stdout)
+    assert run["run_id"] == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert run["name"] == "r" and run["status"] == "FINISHED"
+    params = run["params"]
+    assert params["optimizer.lr"] == "0.003" and params["model.name"] == "tiny"
+    assert params["routing.strategy"] == "modulo_cyclic"  # plain values: runs filter by them
+    assert not [v for v in params.values() if "Strategy." in v or "Source." in v]
+    assert run["tags"]["trmoe.run_dir"] == str(run_dir.resolve())
+    assert set(run["history"]) == set(expected) | set(layers)
+    for key, values in (expected | layers).items():
+        history = run["history"][key]
+        steps = [step for step, _ in history]
         assert steps == sorted(values), (key, steps)  # no step twice
         # the re-logged steps as the killed attempt logged them: a CPU rerun recomputes them bit for bit
-        timing = key in TIMING_COLUMNS
-        for m in history:
-            if not timing or m.step not in relogged:
-                assert m.value == pytest.approx(values[m.step], rel=1e-8, abs=1e-12), (key, m.step)  # %.9g
+        timing = key in {trackers.tracker_name(c) for c in TIMING_COLUMNS}
+        for step, value in history:
+            if not timing or step not in relogged:
+                assert value == pytest.approx(values[step], rel=1e-8, abs=1e-12), (key, step)  # %.9g
 
 
 @pytest.mark.subprocess
@@ -171,7 +194,7 @@ def test_wandb_offline_run_keeps_its_id_across_a_resume(tmp_path):
         assert (attempt / f"run-{state['id']}.wandb").stat().st_size > 0
     # the resumed attempt, which finished its W&B run (the killed one's records may be lost with its process)
     records = (offline[-1] / f"run-{state['id']}.wandb").read_bytes()
-    for key in (b"train_loss", b"telemetry/layer_0/imbalance", b"telemetry/layer_1/share_3"):
+    for key in (b"train/loss", b"moe/layer_0/imbalance", b"moe/layer_1/share_3"):
         assert key in records, key
 
 
@@ -196,3 +219,13 @@ def test_logger_options_compose_alone_and_together(tmp_path):
     assert to_config(compose_config("logger=wandb")).logger.wandb.mode.value == "offline"
     out = cli(["logger=nosuch"], tmp_path)
     assert out.returncode == 2 and "allowed: csv, mlflow, tensorboard, wandb" in out.stderr
+
+
+def test_mlflow_store_is_the_local_database_unless_a_file_store_is_there(tmp_path):
+    """MLflow's default store: <runs>/mlflow.db; a file store older trmoe made (<runs>/mlruns) is read on."""
+    runs = tmp_path / "runs"
+    assert trackers.default_store(runs / "r") == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
+    (runs / "mlruns").mkdir(parents=True)
+    assert trackers.default_store(runs / "r") == (runs / "mlruns").resolve().as_uri()
+    assert trackers.tracker_name("eval_loss/help") == "eval/loss/help"
+    assert trackers.tracker_name("acc_norm/piqa") == "downstream/acc_norm/piqa"

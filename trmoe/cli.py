@@ -8,7 +8,10 @@ script and a test calling `main([...])` in-process see the same exit code and th
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -65,3 +68,26 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
     except SystemExit as e:
         return exit_code(e.code)
     return code if isinstance(code, int) else 0
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: the comment after it in the dataclass's source}: a schema's keys are documented there once,
+    for docs/configuration.md and for the tools' --help."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
+        if match:
+            comments[match.group(1)] = match.group(2) or ""
+    return comments
+
+
+def keys_help(cls: type) -> str:
+    """A Hydra-composed tool's keys as its --help lists them: `key=<default>  comment`, one a line."""
+    comments = field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        shown = "(required)" if value in (dataclasses.MISSING, "???") else "null" if value is None else value
+        rows.append((f"{f.name}={shown}", comments.get(f.name, "")))
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"  {key:<{width}}  {doc}".rstrip() for key, doc in rows)

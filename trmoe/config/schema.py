@@ -167,7 +167,7 @@ class TensorBoardLogger:
 
 @dataclass
 class MLflowLogger:
-    tracking_uri: str | None = None  # None: a local file store, mlruns/ beside the run directory
+    tracking_uri: str | None = None  # None: sqlite:///<runs>/mlflow.db beside the run directories
     experiment: str = "trmoe"  # MLflow experiment the run is created in
 
 

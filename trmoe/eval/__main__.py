@@ -29,7 +29,10 @@ def compose(overrides: list[str]):
     from trmoe.config.validate import validate_eval_tool
 
     if any(a in ("-h", "--help") for a in overrides):
-        print(__doc__)
+        from trmoe.cli import keys_help
+
+        keys = keys_help(EvalToolConfig)
+        print(f"{__doc__.strip()}\n\nKeys (key=value; default, then what it is):\n{keys}")
         raise SystemExit(0)
     try:
         with initialize(version_base="1.3", config_path=None):

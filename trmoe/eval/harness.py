@@ -1,7 +1,10 @@
-"""`python -m trmoe.eval.harness --model trmoe --model_args run=<dir>,step=<n> --tasks arc_easy ...`
+"""`trmoe-lm-eval --model trmoe --model_args run=<dir>,step=<n> --tasks arc_easy ...`
 
-lm-evaluation-harness's own command line (every option of `lm_eval`) with trmoe's model class registered as
-`trmoe` (the harness has no plugin hook for models: this module imports trmoe.eval.lm first)."""
+lm-evaluation-harness's own command line (every option of `lm_eval`; also `python -m trmoe.eval.harness`)
+with trmoe's model class registered as `trmoe` beside every model the harness knows (`--model hf
+--model_args pretrained=<export dir>` reads an export). The harness has no plugin hook for models: this module
+imports trmoe.eval.lm first, which loads the harness's own models before adding trmoe's (the harness fills
+its registry only while it is empty)."""
 
 from __future__ import annotations
 

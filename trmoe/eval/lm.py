@@ -2,7 +2,8 @@
 
     lm_eval ... --model trmoe --model_args run=<run dir>,step=<n>,dtype=auto --batch_size 8 --device cpu
 
-(through `python -m trmoe.eval.harness`, the harness's own command line with this class registered, or
+(through `trmoe-lm-eval` / `python -m trmoe.eval.harness`, the harness's own command line with this class
+registered beside every model the harness knows — `hf` reads an export — or
 `lm_eval.simple_evaluate(model="trmoe", ...)` after importing this module). Log-likelihood requests are
 scored in batches by one forward each (logits only at the scored positions: never [batch, seq, vocab]);
 rolling log-likelihood uses the harness's own disjoint windows; generation uses trmoe.generate (KV cache).
@@ -14,6 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (the harness's own models first: it loads them only into an empty registry)
 import torch
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM

@@ -4,7 +4,7 @@ format "hf": a Hugging Face directory that transformers loads offline with
 `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and `AutoTokenizer.from_pretrained(dir)`:
     config.json               TRMoEConfig, with auto_map naming the two files below
     model.safetensors         every weight and each layer's route table (model.<trmoe name>)
-    generation_config.json    end-of-text id, max length
+    generation_config.json    end-of-text id (the length bound: max_position_embeddings)
     configuration_trmoe.py    standalone (torch + transformers; importable without trmoe)
     modeling_trmoe.py
     tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships
@@ -65,8 +65,31 @@ def hf_config(loaded: LoadedModel) -> dict:
         "eos_token_id": EOS_ID,
         "pad_token_id": EOS_ID,
         "use_cache": True,
-        "trmoe": {"step": loaded.step, "checkpoint": str(loaded.checkpoint.resolve())},
+        "trmoe": {"run": run_name(loaded), "step": loaded.step},  # the weights' hash is added once written
     }
+
+
+def run_name(loaded: LoadedModel) -> str:
+    """The run's name (run.name as it recorded it; its directory's name otherwise): where the export came
+    from, without the local path (which would publish the user's file system)."""
+    return str((loaded.config.get("run") or {}).get("name") or loaded.run_dir.name)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _readable(out: Path) -> None:
+    """Files as the user's umask makes them (safetensors writes 0600)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def write_tokenizer(out: Path, max_len: int) -> None:
@@ -97,6 +120,7 @@ def write_tokenizer(out: Path, max_len: int) -> None:
         "eos_token": eos,
         "pad_token": eos,
         "model_max_length": max_len,
+        "padding_side": "left",  # a decoder-only model: batched generation pads on the left
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json_text(config, indent=2) + "\n")
@@ -109,14 +133,15 @@ def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
 
     state = {f"model.{k}": v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json_text(hf_config(loaded), indent=2) + "\n")
-    generation = {
-        "bos_token_id": EOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": EOS_ID,
-        "max_length": loaded.spec.max_seq_len,
-    }
-    (out / "generation_config.json").write_text(json_text(generation, indent=2) + "\n")
+    config = hf_config(loaded)
+    config["trmoe"]["weights_sha256"] = _sha256(out / "model.safetensors")
+    (out / "config.json").write_text(json_text(config, indent=2) + "
+")
+    # No max_length: transformers warns on every generate(max_new_tokens=...) when one is set; without it,
+    # its default length is capped at config.max_position_embeddings (the model's context).
+    generation = {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID}
+    (out / "generation_config.json").write_text(json_text(generation, indent=2) + "
+")
     code = resources.files("trmoe.export") / "hf"
     for name in _CODE:
         (out / name).write_text((code / name).read_text(encoding="utf-8"), encoding="utf-8")
@@ -163,4 +188,5 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
             _write_hf(loaded, tmp, tokenizer=loaded.text_vocab)
         else:
             _write_safetensors(loaded, tmp)
+        _readable(tmp)
     return out

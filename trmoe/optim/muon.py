@@ -1,5 +1,8 @@
 """Muon for stacked expert matrices: momentum, orthogonalised per matrix slice by Newton-Schulz.
 
+Not torch.optim.Muon: it refuses every parameter that is not 2-D (the [E, A, B] experts) and cannot split
+the fused gate/up halves (tests/test_optimizers.py checks that this still holds).
+
 For a parameter W with gradient G (the gradient already averaged over data-parallel ranks):
 
     B <- beta * B + (1 - beta) * G                       momentum buffer

@@ -181,6 +181,7 @@ def render_markdown(rep: Report, title: str) -> str:
         f"{THROUGHPUT_WARMUP_STEPS}, "
         "evaluation rows left out. MFU needs a known peak: a bf16 GPU datasheet or `--peak-tflops`; "
         "n/a otherwise.",
+        _peak_line(arms),
     ]
     if estimated:
         lines.append(
@@ -441,6 +442,22 @@ def check_folder(folder: Path) -> None:
         "report: --out",
         "a directory (new or existing) for report.md, report.csv, report_pairs.csv and plots/",
     )
+
+
+def _peak_line(arms) -> str:
+    """Where the MFU column's peaks came from (run_config.json's mfu_peak of each run)."""
+    peaks = {}
+    for arm in arms:
+        for run in arm.runs:
+            peak = run.record.get("mfu_peak")
+            if isinstance(peak, dict) and isinstance(peak.get("flops"), int | float):
+                peaks.setdefault(f"{peak['flops'] / 1e12:.4g} TFLOP/s ({peak.get('source')})", []).append(
+                    run.name
+                )
+    if not peaks:
+        return "The runs recorded no peak (run_config.json `mfu_peak`): their MFU is the datasheet's or n/a."
+    said = "; ".join(f"{figure}: {', '.join(names)}" for figure, names in peaks.items())
+    return f"MFU peaks (run_config.json `mfu_peak`, unless --peak-tflops): {said}."
 
 
 def parse_peak(text: str | float | None) -> float | None:

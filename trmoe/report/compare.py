@@ -14,29 +14,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trmoe.errors import UserError
 from trmoe.report.integrity import held_out_windows
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict, override_key
 from trmoe.report.summary import Summary
 from trmoe.run.status import FINISHED
 
-# Two-sided 95% Student-t quantiles for 1..30 degrees of freedom.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)  # fmt: skip
-
 
 def t975(df: int) -> float:
-    if df <= len(_T975):
-        return _T975[df - 1]
-    # the Cornish-Fisher expansion of the t quantile around the normal one, to 1/df^3: within 2e-6 beyond
-    # 30 degrees of freedom (the first term alone is 3e-3 short at 31)
-    z, v = 1.959963984540054, df
-    return (
-        z
-        + (z**3 + z) / (4 * v)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
-    )
+    """The two-sided 95% Student-t quantile for `df` degrees of freedom (scipy's, the `report` extra)."""
+    try:
+        from scipy.stats import t
+    except ImportError:
+        raise UserError(
+            "report: needs scipy for its intervals; install: pip install 'trmoe[report]'"
+        ) from None
+    return float(t.ppf(0.975, df))
 
 
 def swept_keys(runs: list[Run]) -> list[str]:

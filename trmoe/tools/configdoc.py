@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import inspect
-import re
 import types
 import typing
 from pathlib import Path
 
+from trmoe.cli import field_comments
 from trmoe.config import schema
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -73,15 +72,6 @@ SECTIONS = [
 ]
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
-        if match:
-            comments[match.group(1)] = match.group(2) or ""
-    return comments
-
-
 def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " \\| ".join(m.value for m in tp)
@@ -124,7 +114,7 @@ def render() -> str:
             out += [f"## `{name}`", "", title, "", _options(name).rstrip("\n"), ""]
             continue
         hints = typing.get_type_hints(cls)
-        comments = _field_comments(cls)
+        comments = field_comments(cls)
         out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]
         out.append("|---|---|---|---|")
         for f in dataclasses.fields(cls):

@@ -8,12 +8,31 @@ In a sweep (--multirun, or an experiment=<grid>) a failed job does not stop the 
 after the last job.
 """
 
+# ruff: noqa: E402  (the Ctrl-C handler of the start-up is installed before the slow imports)
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
+
+INTERRUPTED_EARLY = "trmoe: interrupted before the run started; nothing was written"
+
+
+def _interrupted_while_importing(_signum, _frame) -> None:
+    """Ctrl-C while the modules below load (a second or more): nothing exists yet, so end at once with one
+    line instead of an import traceback. main() puts the previous handler back before it composes."""
+    print(INTERRUPTED_EARLY, file=sys.stderr)
+    os._exit(130)
+
+
+_previous_sigint = (
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+    if threading.current_thread() is threading.main_thread()
+    else None
+)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -79,10 +98,7 @@ def _job(cfg: DictConfig) -> float:
         hand_over(e)
     except KeyboardInterrupt:  # Ctrl-C outside the step loop, or twice: no traceback
         _remove_empty_dirs(run_dir)  # interrupted before it wrote anything
-        print(
-            f"trmoe: interrupted; a rerun of {run_dir} resumes from its newest complete checkpoint",
-            file=sys.stderr,
-        )
+        print(_interrupted_line(run_dir), file=sys.stderr)
         sys.exit(130)
     except UserError as e:
         if sweeping:
@@ -107,6 +123,18 @@ def _job(cfg: DictConfig) -> float:
             from trmoe.runtime import distributed
 
             distributed.shutdown()
+
+
+def _interrupted_line(run_dir: Path) -> str:
+    """What a Ctrl-C outside the step loop left: nothing, a run without a checkpoint, or one to resume."""
+    from trmoe.run.rundir import RunDir
+
+    if not run_dir.exists():
+        return INTERRUPTED_EARLY
+    checkpoints = RunDir(run_dir).checkpoints
+    if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+        return f"trmoe: interrupted; a rerun of {run_dir} resumes from its newest complete checkpoint"
+    return f"trmoe: interrupted before the first checkpoint of {run_dir}; a rerun starts it from step 0"
 
 
 def _is_composition_error(e: BaseException) -> bool:
@@ -167,14 +195,29 @@ def main(argv: list[str] | None = None) -> int:
     return run(_main, argv)
 
 
+def versions() -> str:
+    """`--version`: trmoe's, torch's and Hydra's (read from the installed packages: torch is not imported)."""
+    from importlib.metadata import version
+
+    return f"trmoe {version('trmoe')} (torch {version('torch')}, hydra-core {version('hydra-core')})"
+
+
 def _main(argv: list[str]) -> int:
     global _task_started
+    if _previous_sigint is not None and signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+        signal.signal(signal.SIGINT, _previous_sigint)  # from here on Ctrl-C is a KeyboardInterrupt
+    if "--version" in argv:  # Hydra's own flag prints Hydra's version only
+        print(versions())
+        return 0
     _task_started = False
     _failed_jobs.clear()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "trmoe.train", *argv]
     try:
         return _compose_and_run(argv)
+    except KeyboardInterrupt:  # while composing, before the job started: nothing was written
+        print(INTERRUPTED_EARLY, file=sys.stderr)
+        return 130
     finally:
         sys.argv = saved
 

@@ -41,6 +41,7 @@ class RunFacts:
     checkpoints: bool  # checkpoint.enabled
     data: dict[str, Any]  # the data's identity (DataPipeline.info)
     metrics_columns: tuple[str, ...]
+    mfu_peak: dict[str, Any]  # the peak FLOP/s the mfu column is against, its source (observe/meters.py)
     controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
 
 
@@ -100,6 +101,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "total_tokens": tokens_per_step * t.steps,
             "data": facts.data,
             "metrics_columns": list(facts.metrics_columns),
+            "mfu_peak": facts.mfu_peak,  # a resume reuses a measured one: one figure for every attempt
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)

@@ -127,6 +127,8 @@ class Trainer:
         self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
         self._outcome: BaseException | None = None  # how the run ended, for the trackers
         self._clock = time.perf_counter()
+        previous = (self.launch.previous or {}).get("mfu_peak")  # an earlier attempt's measured peak
+        self._peak = meters.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
         self._grad_norm = torch.zeros((), device=device)
 
     def facts(self) -> RunFacts:
@@ -143,6 +145,7 @@ class Trainer:
             checkpoints=self.store.enabled,
             data=self.data.info,
             metrics_columns=self.columns,
+            mfu_peak=meters.peak_record(self.device, *self._peak),
             controls={
                 "loss_backend": self.objective.loss_backend.value,
                 **self.scheduler.record(),  # optimizer groups, schedules
@@ -166,11 +169,8 @@ class Trainer:
                 telemetry_experts=None if self.telemetry is None else self.telemetry.num_experts,
             )
             self._cleanup.callback(lambda: self.output.close(self._outcome))
-            self.efficiency = meters.EfficiencyMeter(
-                self.device,
-                flops_per_token(self.model.spec, self.param_counts, self.t.seq_len),
-                *meters.peak_flops(self.device, self.amp_dtype, cfg.hardware.peak_tflops),
-            )
+            flops = flops_per_token(self.model.spec, self.param_counts, self.t.seq_len)
+            self.efficiency = meters.EfficiencyMeter(self.device, flops, *self._peak)
             self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, self.device))
             if cfg.debug.anomaly:
                 self._cleanup.enter_context(torch.autograd.set_detect_anomaly(True))

@@ -16,7 +16,8 @@ log = logging.getLogger("trmoe")
 
 
 class StepProfiler:
-    """`step()` after every training step; records the steps wait+warmup+1 .. wait+warmup+active."""
+    """`step()` after every training step; records the steps wait+warmup+1 .. wait+warmup+active, once
+    (repeat=1: torch's default, 0, starts the cycle again: one more trace per wait+warmup+active steps)."""
 
     def __init__(self, cfg: DebugConfig, run_dir: Path, device: torch.device):
         self._prof = None
@@ -36,7 +37,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self._prof = profile(
             activities=activities,
-            schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active),
+            schedule=schedule(
+                wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active, repeat=1
+            ),
             on_trace_ready=ready,
             record_shapes=True,
         )

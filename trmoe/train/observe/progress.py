@@ -61,6 +61,9 @@ class ProgressReporter:
         # with the bar the line goes to train.log only (the bar shows it on the console)
         extra = {FILE_ONLY: True} if self._bar is not None else None
         log.info("step %d/%d | %s | eta %s", row["step"], total_steps, " | ".join(parts), eta, extra=extra)
+        if self._bar is not None and row.get("eval_loss") is not None:
+            # an evaluation stays on the console as its own line (the bar's figures change at the next row)
+            log.info("step %d | eval %.4f", row["step"], row["eval_loss"])
 
     def close(self) -> None:
         if self._bar is not None:

@@ -1,13 +1,18 @@
 """Experiment trackers (the `logger` config group): TensorBoard, MLflow, Weights & Biases beside metrics.csv.
 
 metrics.csv is always written and stays the source of truth; each chosen tracker gets the same scalars
-(every finite column of each metrics row, under the column's name, at the row's step), the resolved config as
-hyper-parameters and the run's identity (run name, directory, trmoe version, config hash). Only rank 0 logs.
+(every finite column of each metrics row at the row's step, named in sections as TensorBoard and W&B group
+them: `tracker_name`, e.g. train_loss -> train/loss, tok_s -> throughput/tok_s; docs/training.md has the
+table), the resolved config as hyper-parameters (plain values: `modulo_cyclic`, filterable) and the run's
+identity (run name, directory, trmoe version, config hash). Only rank 0 logs.
 
 With telemetry.moe=true each logged step's telemetry.csv rows (one per layer) go along with its metrics row:
-every finite column as a scalar named telemetry/layer_<i>/<column> (TensorBoard, W&B: their sections are
-the parts before a "/") or telemetry.layer_<i>.<column> (MLflow), and in TensorBoard each layer's expert
-shares also as a histogram, telemetry/layer_<i>/shares.
+every finite column as a scalar named moe/layer_<i>/<column>, and in TensorBoard each layer's expert shares
+also as a histogram, moe/layer_<i>/shares.
+
+MLflow's default store is its recommended local database, sqlite:///<runs>/mlflow.db beside the run
+directories (`mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, or MlflowClient, open it with no
+setting); a file store already there (<runs>/mlruns, from older trmoe) is read on as it was.
 
 A resumed run continues the same tracker run: MLflow's run id and W&B's id are kept in
 <run dir>/trackers.json, and no step is logged twice — TensorBoard purges what the killed attempt logged after
@@ -24,6 +29,7 @@ import json
 import logging
 import math
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,51 @@ def check_installed(cfg: LoggerConfig) -> None:
         _require(name)
 
 
+# metrics.csv column -> tracker scalar (section/name); a column "<base>/<x>" (eval_loss/<source>,
+# acc/<task>) is named after its base, then "/<x>"
+SECTIONS = {
+    "tokens": "train/tokens",
+    "train_loss": "train/loss",
+    "train_ppl": "train/ppl",
+    "train_objective": "train/objective",
+    "eval_train_loss": "eval/train_loss",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/ppl",
+    "eval_bpb": "eval/bpb",
+    "lr": "optim/lr",
+    "lr_expert": "optim/lr_expert",
+    "lr_shared": "optim/lr_shared",
+    "grad_norm": "optim/grad_norm",
+    "tok_s": "throughput/tok_s",
+    "elapsed_s": "throughput/elapsed_s",
+    "mfu": "throughput/mfu",
+    "peak_mem_gib": "memory/peak_gib",
+    "shared_gate": "moe/shared_gate",
+    "routed_gate": "moe/routed_gate",
+    "expert_imbalance": "moe/imbalance",
+    "expert_dead": "moe/dead",
+    "shared_rms": "moe/shared_rms",
+    "routed_rms": "moe/routed_rms",
+    "grad_norm_shared": "optim/grad_norm_shared",
+    "grad_norm_routed": "optim/grad_norm_routed",
+    "primary_weight": "moe/primary_weight",
+    "diversity_lambda": "moe/diversity_lambda",
+    "diversity": "moe/diversity",
+    "router_aux": "moe/router_aux",
+    "router_z": "moe/router_z",
+    "skipped_steps": "guard/skipped_steps",
+    "loss_spikes": "guard/loss_spikes",
+    "acc": "downstream/acc",
+    "acc_norm": "downstream/acc_norm",
+}
+
+
+def tracker_name(column: str) -> str:
+    """The tracker scalar of a metrics.csv column (SECTIONS; any other column under other/)."""
+    base, slash, rest = column.partition("/")
+    return SECTIONS.get(base, f"other/{base}") + slash + rest
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as dotted keys with scalar values (None as the string 'null'), lists as text."""
     if isinstance(node, dict):
@@ -68,6 +119,8 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     key = prefix.rstrip(".")
     if node is None:
         return {key: "null"}
+    if isinstance(node, Enum):  # its value, not "RoutingStrategy.modulo_cyclic"
+        return {key: node.value}
     if isinstance(node, bool | int | float | str):
         return {key: node}
     return {key: json_text(node)}
@@ -85,11 +138,11 @@ def scalars(row: dict[str, Any], skip: tuple[str, ...] = ("step",)) -> dict[str,
     return out
 
 
-def layer_scalars(rows: list[dict[str, Any]], sep: str) -> dict[str, float]:
-    """The per-layer telemetry rows of one step as scalars named telemetry<sep>layer_<i><sep><column>."""
+def layer_scalars(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The per-layer telemetry rows of one step as scalars named moe/layer_<i>/<column>."""
     out = {}
     for row in rows:
-        prefix = f"telemetry{sep}layer_{row['layer']}{sep}"
+        prefix = f"moe/layer_{row['layer']}/"
         out.update({prefix + key: v for key, v in scalars(row, skip=("step", "layer")).items()})
     return out
 
@@ -110,21 +163,21 @@ class _TensorBoard:
             str(self.dir), purge_step=None if resume_step is None else resume_step + 1
         )
         if resume_step is None:
-            exp, ssi, sei = hparams(flatten(config), {"eval_loss": math.nan})
+            exp, ssi, sei = hparams(flatten(config), {tracker_name("eval_loss"): math.nan})
             for summary in (exp, ssi, sei):
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in identity.items()))
         self.state: dict = {}
 
     def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
-        for key, value in (values | layer_scalars(layers, "/")).items():
+        for key, value in (values | layer_scalars(layers)).items():
             self.writer.add_scalar(key, value, step)
         for row in layers:
             shares = _shares(row)
             if shares:
                 import numpy as np
 
-                self.writer.add_histogram(f"telemetry/layer_{row['layer']}/shares", np.array(shares), step)
+                self.writer.add_histogram(f"moe/layer_{row['layer']}/shares", np.array(shares), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -135,15 +188,14 @@ class _MLflow:
     def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, previous: dict | None):
         from mlflow.tracking import MlflowClient
 
-        uri = cfg.tracking_uri
-        if uri is None:  # the local file store: MLflow 3 keeps it (in maintenance mode) behind an opt-in
-            uri = (run_dir.resolve().parent / "mlruns").as_uri()
+        uri = cfg.tracking_uri or (previous or {}).get("tracking_uri") or default_store(run_dir)
+        if uri.startswith("file:"):  # a file store from older trmoe: MLflow 3 opens it only when asked to
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         self.last_step = -1
         if previous and previous.get("tracking_uri") == uri:
             self.run_id = previous["run_id"]
-            history = self.client.get_metric_history(self.run_id, "tokens")  # in every row
+            history = self.client.get_metric_history(self.run_id, tracker_name("tokens"))  # every row
             self.last_step = max((m.step for m in history), default=-1)
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -170,7 +222,7 @@ class _MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in (values | layer_scalars(layers, ".")).items()]
+        metrics = [Metric(k, v, now, step) for k, v in (values | layer_scalars(layers)).items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit (per-layer telemetry can exceed it)
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         self.last_step = step
@@ -204,11 +256,20 @@ class _Wandb:
     def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
         if step <= self.last_step:
             return
-        self.run.log(values | layer_scalars(layers, "/"), step=step)
+        self.run.log(values | layer_scalars(layers), step=step)
         self.last_step = self.state["last_step"] = step
 
     def close(self, status: str = "FINISHED") -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def default_store(run_dir: Path) -> str:
+    """MLflow's store beside the run directories: the file store older trmoe made there when it exists,
+    else MLflow's recommended local database, <runs>/mlflow.db."""
+    runs = run_dir.resolve().parent
+    if (runs / "mlruns").is_dir() and not (runs / "mlflow.db").exists():
+        return (runs / "mlruns").as_uri()
+    return f"sqlite:///{runs / 'mlflow.db'}"
 
 
 def _tags(identity: dict) -> dict[str, str]:
@@ -259,7 +320,7 @@ class Trackers:
         a tracker that skips the steps it already holds skips both."""
         if not self._trackers:
             return
-        values = scalars(row)
+        values = {tracker_name(k): v for k, v in scalars(row).items()}
         for tracker in self._trackers.values():
             tracker.log(values, int(row["step"]), layers or [])
         if "wandb" in self._trackers:
