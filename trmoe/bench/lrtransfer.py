@@ -1,4 +1,4 @@
-"""`lrtransfer`: does the best learning rate move with width? An LR sweep at several widths, per parametrization.
+"""`lrtransfer`: does the best learning rate move with width? LR sweeps at several widths.
 
 Data: the embedded corpus (CPython's help topics, o200k-tokenized, its own train/held-out split), relabelled
 to a compact vocabulary: the --vocab - 1 most frequent training tokens keep their own ids (0..V-2, by
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,36 +41,38 @@ def compact_corpus(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(table[corpus.train.tokens]), torch.from_numpy(table[corpus.eval.tokens])
 
 
-def train_one(
-    parametrization: str,
-    width: int,
-    base: int,
-    lr: float,
-    seed: int,
-    data: tuple[torch.Tensor, torch.Tensor],
-    *,
-    vocab: int,
-    layers: int,
-    steps: int,
-    batch: int,
-    seq: int,
-) -> float:
-    """The final held-out loss of one run (module docstring)."""
+def arm(parametrization: str, width: int, base: int, *, vocab: int, layers: int, seq: int):
+    """The validated config and model spec of one (parametrization, width), composed once for all its lrs."""
     from trmoe.bench.step import compose_arm
-    from trmoe.model.transformer import TRMoETransformer
-    from trmoe.optim.build import build_optimizer
 
-    cfg, spec = compose_arm(
+    return compose_arm(
         [
-            *overrides(parametrization, width, base, layers, lr),
+            *overrides(parametrization, width, base, layers, 1e-3),
             f"model.vocab_size={vocab}",
             f"model.max_seq_len={seq}",
             f"trainer.seq_len={seq}",
         ]
     )
+
+
+def train_one(
+    cfg,
+    spec,
+    lr: float,
+    seed: int,
+    data: tuple[torch.Tensor, torch.Tensor],
+    *,
+    steps: int,
+    batch: int,
+    seq: int,
+) -> float:
+    """The final held-out loss of one run of `arm`'s model at optimizer.lr = `lr` (module docstring)."""
+    from trmoe.model.transformer import TRMoETransformer
+    from trmoe.optim.build import build_optimizer
+
     torch.manual_seed(seed)
     model = TRMoETransformer(spec)
-    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
+    optimizer = build_optimizer(model, replace(cfg.optimizer, lr=lr), torch.device("cpu"))
     warmup = max(1, steps // 10)
 
     def multiplier(step: int) -> float:  # of the step about to run (0-based)
@@ -172,13 +175,13 @@ def _lrs(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m trmoe.bench lrtransfer", description=__doc__)
-    parser.add_argument("--widths", type=_widths, default=[24, 48, 96, 192])
+    parser.add_argument("--widths", type=_widths, default=[16, 32, 64, 128])
     parser.add_argument(
-        "--lrs", type=_lrs, default=[5e-4 * 2**k for k in range(6)], help="default: 5e-4 x 2^k, k = 0..5"
+        "--lrs", type=_lrs, default=[1e-3 * 2**k for k in range(6)], help="default: 1e-3 x 2^k, k = 0..5"
     )
     parser.add_argument("--seeds", type=positive_int, default=2)
-    parser.add_argument("--steps", type=positive_int, default=150)
-    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=100)
+    parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--seq", type=positive_int, default=64)
     parser.add_argument("--layers", type=positive_int, default=2)
     parser.add_argument("--vocab", type=positive_int, default=2048)
@@ -196,20 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for p in args.parametrization:
         for width in args.widths:
+            cfg, spec = arm(p, width, args.widths[0], vocab=args.vocab, layers=args.layers, seq=args.seq)
             for lr in args.lrs:
                 for seed in range(args.seeds):
                     loss = train_one(
-                        p,
-                        width,
-                        args.widths[0],
-                        lr,
-                        seed,
-                        data,
-                        vocab=args.vocab,
-                        layers=args.layers,
-                        steps=args.steps,
-                        batch=args.batch,
-                        seq=args.seq,
+                        cfg, spec, lr, seed, data, steps=args.steps, batch=args.batch, seq=args.seq
                     )
                     results.append(
                         {"parametrization": p, "width": width, "lr": lr, "seed": seed, "loss": loss}

@@ -232,7 +232,7 @@ class ModelConfig:
     init_std: float = 0.02  # N(0, init_std); residual-writing projections use init_std / sqrt(2 * num_layers)
     init: ModelInit = ModelInit.default  # default | legacy_kaiming (routed gate/up U(+-1/sqrt(expert width)))
     norm_eps: float = 1e-6  # RMSNorm epsilon
-    parametrization: Parametrization = Parametrization.sp  # sp | mup: how init, lr and logits scale with width
+    parametrization: Parametrization = Parametrization.sp  # how init/lr/logits scale with width: docs/mup.md
     mup_base_width: int | None = None  # mup: the hidden size the hyper-parameters were tuned at (required)
     mup_base_shared_width: int | None = None  # mup: shared_width tuned at; None = shared_width x base/hidden
     mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E); None = scaled as shared

@@ -280,7 +280,11 @@ def _validate_mup(cfg: Config) -> None:
             "allowed: a fixed route-table strategy, or model.parametrization=sp",
         )
     if m.init != ModelInit.default:
-        _fail("model.parametrization", "mup", f"model.init={m.init.value} is sp only; allowed: model.init=default")
+        _fail(
+            "model.parametrization",
+            "mup",
+            f"model.init={m.init.value} is sp only; allowed: model.init=default",
+        )
 
 
 def _validate_downstream(cfg: Config) -> None:

@@ -51,7 +51,9 @@ class Attention(nn.Module):
         scale: float | None = None,
     ):
         super().__init__()
-        self.scale = scale  # the attention logits' scale; None = SDPA's 1/sqrt(head_dim) (muP: trmoe.model.mup)
+        self.scale = (
+            scale  # the attention logits' scale; None = SDPA's 1/sqrt(head_dim) (muP: trmoe.model.mup)
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = hidden_size // num_heads
