@@ -1,7 +1,8 @@
 """model.parametrization=mup (docs/mup.md): sp bit-identical to before, mup at its base shape is sp, the
-per-group lr/weight-decay factors of every optimizer, parameter counts and matching unchanged, the coordinate
-check (flat under mup, growing under sp, failing with a multiplier removed), the checkpoint records the
-parametrization, the HF export's logits equal trmoe's, sample and eval run on a mup model, bad input exit 2."""
+per-group lr/weight-decay factors of every optimizer, parameter counts and matching unchanged, the
+coordinate check (flat under mup, growing under sp, failing with a multiplier removed), the checkpoint
+records the parametrization, the HF export's logits equal trmoe's, sample and eval run on a mup model, bad
+input exit 2."""
 
 from __future__ import annotations
 

@@ -150,7 +150,8 @@ def plot(
                 [best[width]], [mean_loss(results, p, width, best[width])], "*", color=color, markersize=12
             )
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("lr (base group)")
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], fontsize=7)
+        ax.set_xlabel("lr (optimizer.lr)")
         ax.set_ylabel("final held-out loss (nats/token)")
         ax.set_title(f"{p}: best lr per width (stars)")
         ax.grid(alpha=0.3)

@@ -21,9 +21,9 @@ from trmoe.config.schema import (
     Config,
     DataSource,
     LossBackend,
+    ModelInit,
     MuonScope,
     OptimizerName,
-    ModelInit,
     SampleOrder,
     SpikePolicy,
     check_run_name,
@@ -270,7 +270,8 @@ def _validate_mup(cfg: Config) -> None:
         _fail(
             "model.mup_base_width",
             m.mup_base_width,
-            f"must be a multiple of model.num_heads={m.num_heads} (the base head dim sets the attention scale)",
+            f"must be a multiple of model.num_heads={m.num_heads} (the base head dim sets the attention "
+            "scale)",
         )
     if REGISTRY[cfg.routing.strategy.value].learned:
         _fail(

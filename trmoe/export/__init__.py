@@ -10,10 +10,10 @@ format "hf": a Hugging Face directory that transformers loads offline with
     tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships
 format "safetensors": model.safetensors (trmoe's own names) and config.json (the model spec) only.
 
-A model.parametrization=mup model's two forward multipliers are baked into the hf format's weights, so that the
-exported code (plain SP math) computes trmoe's logits: the readout multiplier c into the final norm's weight
-(logits = (RMSNorm(h) * c) @ E^T), the attention scale s into each layer's q (q_norm's weight, or the q rows of
-qkv without QK-norm) as s * sqrt(d), which SDPA's 1/sqrt(d) turns back into s.
+A model.parametrization=mup model's two forward multipliers are baked into the hf format's weights, so that
+the exported code (plain SP math) computes trmoe's logits: the readout multiplier c into the final norm's
+weight (logits = (RMSNorm(h) * c) @ E^T), the attention scale s into each layer's q (q_norm's weight, or the
+q rows of qkv without QK-norm) as s * sqrt(d), which SDPA's 1/sqrt(d) turns back into s.
 
 The directory is written under a temporary name and renamed when complete: never half-written, and an
 existing non-empty directory is never written into.
