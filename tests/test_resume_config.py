@@ -31,6 +31,7 @@ MISMATCHES = [
     (["loss.z_loss=1e-4"], "loss.z_loss"),
     (["loss.label_smoothing=0.1"], "loss.label_smoothing"),
     (["trainer.grad_clip=0.5"], "trainer.grad_clip"),
+    (["model.parametrization=mup", "model.mup_base_width=32"], "model.parametrization"),
 ]
 
 

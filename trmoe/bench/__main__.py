@@ -1,4 +1,5 @@
-"""python -m trmoe.bench <name> [options]: ffn, dispatch, loss, step, data, decode.
+"""python -m trmoe.bench <name> [options]: ffn, dispatch, loss, step, data, decode, coordcheck,
+lrtransfer.
 
 Results are appended to bench/results.jsonl, or to $TRMOE_RESULTS. Bad input (an unknown benchmark or
 option, a value out of range, an unknown config key, a results path that is a directory or lies under a
@@ -18,7 +19,7 @@ from trmoe.bench.common import Parser, results_path
 from trmoe.cli import run
 from trmoe.errors import UserError, file_in_the_way
 
-BENCHES = ("ffn", "dispatch", "loss", "step", "data", "decode")
+BENCHES = ("ffn", "dispatch", "loss", "step", "data", "decode", "coordcheck", "lrtransfer")
 
 
 def check_results_path() -> Path:

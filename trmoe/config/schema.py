@@ -46,6 +46,11 @@ class ModelInit(str, Enum):
     )
 
 
+class Parametrization(str, Enum):
+    sp = "sp"  # standard: every width gets the same init std, lr and forward math (trmoe's default)
+    mup = "mup"  # maximal update: init, lr and two forward multipliers scale with width (docs/mup.md)
+
+
 class DataSource(str, Enum):
     embedded = "embedded"  # the English help texts every CPython ships (pydoc_data), o200k-tokenized
     random = "random"  # uniform random token ids (smoke tests only: nothing to learn)
@@ -232,6 +237,10 @@ class ModelConfig:
     init_std: float = 0.02  # N(0, init_std); residual-writing projections use init_std / sqrt(2 * num_layers)
     init: ModelInit = ModelInit.default  # default | legacy_kaiming (routed gate/up U(+-1/sqrt(expert width)))
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    parametrization: Parametrization = Parametrization.sp  # how init/lr/logits scale with width: docs/mup.md
+    mup_base_width: int | None = None  # mup: the hidden size the hyper-parameters were tuned at (required)
+    mup_base_shared_width: int | None = None  # mup: shared_width tuned at; None = shared_width x base/hidden
+    mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E); None = scaled as shared
     match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
     match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
     match_multiple: int = 16  # the solved width is a multiple of this (routed_width: and of num_experts)

@@ -26,6 +26,26 @@ def _route_frequencies(cfg: Config) -> str | None:
     return str(path) if path is not None else None
 
 
+def mup_fields(cfg: Config) -> dict:
+    """The ModelSpec's muP fields (trmoe.model.mup): the width multipliers over the base shape; the shared
+    and routed bases default to their widths scaled by mup_base_width / hidden_size (multiplier m_d)."""
+    m = cfg.model
+    if m.parametrization.value != "mup":
+        return {}
+    width = m.hidden_size / m.mup_base_width
+
+    def mult(size: int, base: int | None) -> float:
+        return width if base is None or size == 0 else size / base
+
+    return {
+        "parametrization": "mup",
+        "mup_width_mult": width,
+        "mup_shared_mult": mult(m.shared_width, m.mup_base_shared_width),
+        "mup_routed_mult": mult(m.routed_width, m.mup_base_routed_width),
+        "mup_base_head_dim": m.mup_base_width // m.num_heads,
+    }
+
+
 def model_spec(cfg: Config) -> ModelSpec:
     m, r, a = cfg.model, cfg.routing, cfg.attention
     pad = m.vocab_pad_multiple
@@ -56,4 +76,5 @@ def model_spec(cfg: Config) -> ModelSpec:
         norm_eps=m.norm_eps,
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
+        **mup_fields(cfg),
     )

@@ -22,6 +22,7 @@ from trmoe.config.schema import (
     Config,
     DataSource,
     LossBackend,
+    ModelInit,
     MuonScope,
     OptimizerName,
     SampleOrder,
@@ -155,6 +156,7 @@ def validate(cfg: Config) -> None:
         _fail("model.init_std", m.init_std, "must be > 0")
     if m.norm_eps <= 0:
         _fail("model.norm_eps", m.norm_eps, "must be > 0")
+    _validate_mup(cfg)
     if m.match_params is not None and m.match_params < 1:
         _fail("model.match_params", m.match_params, "must be a positive integer, or null for no matching")
     _positive(m, "model", "match_multiple")
@@ -239,6 +241,50 @@ def validate(cfg: Config) -> None:
         )
     _validate_reliability(cfg)
     _validate_downstream(cfg)
+
+
+def _validate_mup(cfg: Config) -> None:
+    """model.parametrization=mup: a base shape no larger than the model, and the parts docs/mup.md covers."""
+    m = cfg.model
+    bases = {
+        "mup_base_width": (m.mup_base_width, m.hidden_size, "hidden_size"),
+        "mup_base_shared_width": (m.mup_base_shared_width, m.shared_width, "shared_width"),
+        "mup_base_routed_width": (m.mup_base_routed_width, m.routed_width, "routed_width"),
+    }
+    if m.parametrization.value != "mup":
+        for name, (base, _, _) in bases.items():
+            if base is not None:
+                _fail(f"model.{name}", base, "only with model.parametrization=mup; allowed: null")
+        return
+    if m.mup_base_width is None:
+        _fail("model.mup_base_width", None, "required with model.parametrization=mup (the tuned hidden size)")
+    for name, (base, size, of) in bases.items():
+        if base is None:
+            continue
+        if size == 0:
+            _fail(f"model.{name}", base, f"model.{of}=0 has no width to scale; allowed: null")
+        if not 1 <= base <= size:
+            _fail(f"model.{name}", base, f"must be in [1, model.{of}={size}] (the base is the smaller model)")
+    if m.mup_base_width % m.num_heads:
+        _fail(
+            "model.mup_base_width",
+            m.mup_base_width,
+            f"must be a multiple of model.num_heads={m.num_heads} (the base head dim sets the attention "
+            "scale)",
+        )
+    if REGISTRY[cfg.routing.strategy.value].learned:
+        _fail(
+            "model.parametrization",
+            "mup",
+            "routing.strategy=learned is not supported under mup (its router has no muP rule here); "
+            "allowed: a fixed route-table strategy, or model.parametrization=sp",
+        )
+    if m.init != ModelInit.default:
+        _fail(
+            "model.parametrization",
+            "mup",
+            f"model.init={m.init.value} is sp only; allowed: model.init=default",
+        )
 
 
 def _validate_downstream(cfg: Config) -> None:

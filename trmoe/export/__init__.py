@@ -10,12 +10,18 @@ format "hf": a Hugging Face directory that transformers loads offline with
     tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships
 format "safetensors": model.safetensors (trmoe's own names) and config.json (the model spec) only.
 
+A model.parametrization=mup model's two forward multipliers are baked into the hf format's weights, so that
+the exported code (plain SP math) computes trmoe's logits: the readout multiplier c into the final norm's
+weight (logits = (RMSNorm(h) * c) @ E^T), the attention scale s into each layer's q (q_norm's weight, or the
+q rows of qkv without QK-norm) as s * sqrt(d), which SDPA's 1/sqrt(d) turns back into s.
+
 The directory is written under a temporary name and renamed when complete: never half-written, and an
 existing non-empty directory is never written into.
 """
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -65,7 +71,11 @@ def hf_config(loaded: LoadedModel) -> dict:
         "eos_token_id": EOS_ID,
         "pad_token_id": EOS_ID,
         "use_cache": True,
-        "trmoe": {"run": run_name(loaded), "step": loaded.step},  # the weights' hash is added once written
+        "trmoe": {
+            "run": run_name(loaded),
+            "step": loaded.step,  # the weights' hash is added once written
+            "parametrization": s.parametrization,  # mup: its multipliers are baked into the weights
+        },
     }
 
 
@@ -126,22 +136,43 @@ def write_tokenizer(out: Path, max_len: int) -> None:
     (out / "tokenizer_config.json").write_text(json_text(config, indent=2) + "\n")
 
 
+def baked_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with its muP forward multipliers folded into weights (module docstring); the
+    state dict itself under sp (every multiplier 1)."""
+    from trmoe.model.mup import attention_scale
+
+    spec = model.spec
+    state = {k: v.detach() for k, v in model.state_dict().items()}  # new tensors only where a factor goes
+    if model.output_mult != 1:
+        state["norm.weight"] = state["norm.weight"] * model.output_mult
+    scale = attention_scale(spec)
+    if scale is not None:
+        q_factor = scale * math.sqrt(spec.head_dim)
+        for layer in range(spec.num_layers):
+            prefix = f"blocks.{layer}.attn."
+            if spec.qk_norm:
+                state[prefix + "q_norm.weight"] = state[prefix + "q_norm.weight"] * q_factor
+            else:
+                qkv = state[prefix + "qkv.weight"].clone()
+                qkv[: spec.num_heads * spec.head_dim] *= q_factor
+                state[prefix + "qkv.weight"] = qkv
+    return state
+
+
 def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
     from safetensors.torch import save_file
 
     from trmoe.data.tokenizer import EOS_ID
 
-    state = {f"model.{k}": v.detach().contiguous() for k, v in loaded.model.state_dict().items()}
+    state = {f"model.{k}": v.contiguous() for k, v in baked_state(loaded.model).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(loaded)
     config["trmoe"]["weights_sha256"] = _sha256(out / "model.safetensors")
-    (out / "config.json").write_text(json_text(config, indent=2) + "
-")
+    (out / "config.json").write_text(json_text(config, indent=2) + "\n")
     # No max_length: transformers warns on every generate(max_new_tokens=...) when one is set; without it,
     # its default length is capped at config.max_position_embeddings (the model's context).
     generation = {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID}
-    (out / "generation_config.json").write_text(json_text(generation, indent=2) + "
-")
+    (out / "generation_config.json").write_text(json_text(generation, indent=2) + "\n")
     code = resources.files("trmoe.export") / "hf"
     for name in _CODE:
         (out / name).write_text((code / name).read_text(encoding="utf-8"), encoding="utf-8")

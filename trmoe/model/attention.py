@@ -49,8 +49,12 @@ class Attention(nn.Module):
         num_kv_heads: int,
         qk_norm: bool = True,
         norm_eps: float = 1e-6,
+        scale: float | None = None,
     ):
         super().__init__()
+        self.scale = (
+            scale  # the attention logits' scale; None = SDPA's 1/sqrt(head_dim) (muP: trmoe.model.mup)
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = hidden_size // num_heads
@@ -82,12 +86,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA/MQA: SDPA broadcasts each key/value head over its group of query heads.
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != hq)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=hkv != hq, scale=self.scale
+            )
         else:
             mask = cache.mask(S)
             k, v = cache.append(layer, k, v)
             causal = mask is None and cache.length == 0
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hkv != hq
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hkv != hq, scale=self.scale
             )
         return self.out(y.transpose(1, 2).reshape(B, S, hq * d))

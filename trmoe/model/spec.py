@@ -37,6 +37,11 @@ class ModelSpec:
         "default"  # model.init: default | legacy_kaiming (routed gate/up per expert, see reset_parameters)
     )
     route_frequencies: str | None = None  # token counts file (routing.frequencies) of frequency strategies
+    parametrization: str = "sp"  # model.parametrization: sp | mup (trmoe.model.mup)
+    mup_width_mult: float = 1.0  # mup: hidden_size / mup_base_width
+    mup_shared_mult: float = 1.0  # mup: shared_width / mup_base_shared_width
+    mup_routed_mult: float = 1.0  # mup: routed_width / mup_base_routed_width
+    mup_base_head_dim: int = 0  # mup: mup_base_width / num_heads (the attention scale's d_0)
 
     @property
     def head_dim(self) -> int:

@@ -2,7 +2,10 @@
 
     h = embed(t)
     for each block:  h = h + Attn(RMSNorm(h));  h = h + TRMoEFFN(RMSNorm(h), t)
-    h = RMSNorm(h);  logits = h @ embed.weight.T       (tied head; the loss never materialises all logits)
+    h = RMSNorm(h) * c;  logits = h @ embed.weight.T   (tied head; the loss never materialises all logits)
+
+c = 1 under model.parametrization=sp; muP's readout multiplier 1/m_d under mup (trmoe.model.mup, which also
+sets the attention logits' scale and the init).
 
 The FFN sees the *input* token id t of each position: that is what its route tables are indexed by.
 """
@@ -20,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from trmoe.model.attention import Attention, RMSNorm, rope_cache
 from trmoe.model.kv_cache import KVCache
 from trmoe.model.moe import TRMoEFFN
+from trmoe.model.mup import attention_scale, fan_in_mult, output_mult
 from trmoe.model.spec import ModelSpec
 
 __all__ = ["Block", "ModelSpec", "ParamCounts", "TRMoETransformer", "count_parameters", "parameter_counts"]
@@ -30,7 +34,12 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.attn = Attention(
-            spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.qk_norm, spec.norm_eps
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.qk_norm,
+            spec.norm_eps,
+            scale=attention_scale(spec),
         )
         self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.ffn = TRMoEFFN(spec, layer)
@@ -55,6 +64,7 @@ class TRMoETransformer(nn.Module):
         self.embed = nn.Embedding(spec.embedding_rows, spec.hidden_size)
         self.blocks = nn.ModuleList(Block(spec, layer) for layer in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.output_mult = output_mult(spec)  # c above, on the final hidden state: every logit sees it
         cos, sin = rope_cache(spec.max_seq_len, spec.head_dim, spec.rope_theta, self.embed.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -74,7 +84,8 @@ class TRMoETransformer(nn.Module):
         with depth; norms 1. model.init=legacy_kaiming (the old runner's published 100M/300M runs) draws the
         routed experts' gate and up halves instead from U(-b, b), b = 1/sqrt(expert width): Kaiming-uniform
         with a = sqrt(5) and the expert width as fan-in, each element independent as in its per-expert draws
-        (std 1/sqrt(3 I_e): 0.042 at I_e = 192, twice N(0, 0.02))."""
+        (std 1/sqrt(3 I_e): 0.042 at I_e = 192, twice N(0, 0.02)). Under mup each hidden matrix's std is
+        divided by sqrt of its fan-in multiplier (trmoe.model.mup)."""
         std = self.spec.init_std
         residual_std = std / math.sqrt(2 * self.spec.num_layers)
         legacy = self.spec.init == "legacy_kaiming"
@@ -86,7 +97,9 @@ class TRMoETransformer(nn.Module):
                 nn.init.uniform_(p, -bound, bound)
                 continue
             is_residual_writer = name.endswith(("attn.out.weight", "shared.w_out", "routed.w_out"))
-            nn.init.normal_(p, 0.0, residual_std if is_residual_writer else std)
+            m = fan_in_mult(name, self.spec)
+            base = residual_std if is_residual_writer else std
+            nn.init.normal_(p, 0.0, base if m == 1 else base / math.sqrt(m))
 
     def router_losses(self) -> dict[str, torch.Tensor] | None:
         """The learned routers' loss terms of the last forward, each the mean over layers: `aux` (load
@@ -116,7 +129,7 @@ class TRMoETransformer(nn.Module):
                 h = checkpoint(block, h, token_ids, cos, sin, use_reentrant=False)
             else:
                 h = block(h, token_ids, cos, sin)
-        return self.norm(h)
+        return self._readout(self.norm(h))
 
     def _forward_cached(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         new = token_ids.shape[1]
@@ -126,7 +139,10 @@ class TRMoETransformer(nn.Module):
         for layer, block in enumerate(self.blocks):
             h = block(h, token_ids, cos, sin, cache, layer)
         cache.advance(new)
-        return self.norm(h)
+        return self._readout(self.norm(h))
+
+    def _readout(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.output_mult == 1 else h * self.output_mult
 
     def new_cache(self, batch: int, capacity: int, pad: torch.Tensor | None = None) -> KVCache:
         """An empty KV cache for `batch` rows of up to `capacity` positions, in the model's dtype and device

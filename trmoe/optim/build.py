@@ -7,7 +7,14 @@ decay. Only matrices are decayed: norms, gates and other 1-D/0-D tensors never a
 embedding only when optimizer.decay_embedding is set.
 
 Every group carries `name` and `base_lr`; the one global schedule sets lr = base_lr * multiplier on all
-of them (trmoe.train.schedule.apply_lr). No optimizer here keeps a warmup or decay of its own, and none
+of them (trmoe.train.schedule.apply_lr).
+
+model.parametrization=mup (trmoe.model.mup): a hidden matrix whose fan-in grew m-fold over the base shape
+gets lr / m and weight_decay * m (lr * wd unchanged), in its own group named `<role>..._mup<m>`. All three
+optimizers take the same factors: AdamW's and StoSignSGD's updates are ~lr per entry whatever the gradient's
+scale, and Muon's update is rescaled to the element RMS muon_update_rms, AdamW's (docs/mup.md).
+
+No optimizer here keeps a warmup or decay of its own, and none
 communicates across ranks: under DDP every rank sees the same averaged gradients and applies the same
 per-parameter math.
 """
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 
 from trmoe.config.schema import GateGroup, MuonScope, OptimizerConfig, OptimizerName
+from trmoe.model.mup import fan_in_mult
 from trmoe.optim.muon import Muon
 from trmoe.optim.stosignsgd import StoSignSGD
 
@@ -64,45 +72,57 @@ def split_param_groups(model: nn.Module, cfg: OptimizerConfig, muon: bool) -> tu
     """(element-wise groups, Muon groups). The Muon list is empty unless `muon`: then the matrices of
     optimizer.muon_scope go there, split by role and by whether they are a fused [gate | up] w_in."""
     scales, decays = _role_settings(cfg)
-    buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
-    muon_buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
+    spec = _spec_of(model)
+    buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
+    muon_buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         role = param_group_name(name, cfg.routed_gate_group)
+        mult = 1.0 if spec is None else fan_in_mult(name, spec)
         if muon and _on_muon(name, p, role, cfg.muon_scope):
             gate_up = cfg.muon_split_gate_up and name.endswith("w_in")
-            muon_buckets.setdefault((role, gate_up), []).append(p)
+            muon_buckets.setdefault((role, gate_up, mult), []).append(p)
             continue
         is_embedding = name == "embed.weight"
         decay = p.ndim >= 2 and (not is_embedding or cfg.decay_embedding)
-        buckets.setdefault((role, decay), []).append(p)
+        buckets.setdefault((role, decay, mult), []).append(p)
     groups = []
-    for (role, decay), params in sorted(buckets.items()):
-        lr = cfg.lr * scales[role]
+    for (role, decay, mult), params in sorted(buckets.items()):
+        lr = cfg.lr * scales[role] / mult
         groups.append(
             {
-                "name": f"{role}{'' if decay else '_no_decay'}",
+                "name": f"{role}{'' if decay else '_no_decay'}{_mup_suffix(mult)}",
                 "params": params,
                 "lr": lr,
                 "base_lr": lr,  # the schedule multiplies this
-                "weight_decay": decays[role] if decay else 0.0,
+                "weight_decay": decays[role] * mult if decay else 0.0,
             }
         )
     muon_groups = []
-    for (role, gate_up), params in sorted(muon_buckets.items()):
-        lr = cfg.lr * scales[role] * cfg.muon_lr_scale
+    for (role, gate_up, mult), params in sorted(muon_buckets.items()):
+        lr = cfg.lr * scales[role] * cfg.muon_lr_scale / mult
         muon_groups.append(
             {
-                "name": f"muon_{role}{'_gate_up' if gate_up else ''}",
+                "name": f"muon_{role}{'_gate_up' if gate_up else ''}{_mup_suffix(mult)}",
                 "params": params,
                 "lr": lr,
                 "base_lr": lr,
-                "weight_decay": decays[role],
+                "weight_decay": decays[role] * mult,
                 "split_gate_up": gate_up,
             }
         )
     return groups, muon_groups
+
+
+def _spec_of(model: nn.Module):
+    """The model's ModelSpec (through a DDP-style `.module` wrapper), or None for a module without one."""
+    return getattr(model, "spec", None) or getattr(getattr(model, "module", None), "spec", None)
+
+
+def _mup_suffix(mult: float) -> str:
+    # sp groups (and mup's width-free ones) keep their names: saved optimizer states still load
+    return "" if mult == 1 else f"_mup{mult:g}"
 
 
 class OptimizerSet:
