@@ -42,6 +42,7 @@ class RunFacts:
     data: dict[str, Any]  # the data's identity (DataPipeline.info)
     metrics_columns: tuple[str, ...]
     controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
+    init_from: dict[str, Any] | None = None  # the parent of trainer.init_from (InitSource.record)
 
 
 def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
@@ -102,6 +103,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "metrics_columns": list(facts.metrics_columns),
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
+            "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),
         },
