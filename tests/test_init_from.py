@@ -97,6 +97,32 @@ def test_a_branch_with_the_parents_config_is_the_parent_bit_for_bit(parent, tmp_
     assert rows[-1]["eval_loss"] == parent_row["eval_loss"]
 
 
+def test_a_wsd_cooldown_branch_is_the_run_trained_to_its_budget_bit_for_bit(tmp_path):
+    """docs/scaling.md: a stable WSD run (horizon 20: constant LR until step 16) branched at step 8 into a
+    10-step budget (decay over steps 8..10) ends with the weights of a 10-step WSD run from scratch."""
+    wsd = ["optimizer.schedule=wsd", "checkpoint.keep_last=0"]
+    train_in_process(tmp_path / "stable", *wsd, "trainer.steps=8", "optimizer.decay_steps=20")
+    train_in_process(tmp_path / "scratch", *wsd, "trainer.steps=10")
+    parent = tmp_path / "stable" / "checkpoints" / "step_00000008"
+    branch = tmp_path / "branch"
+    train_in_process(
+        branch, *wsd, "trainer.steps=10", f"trainer.init_from={parent}", "trainer.init_state=branch"
+    )
+    mine, scratch = load_checkpoint(branch), load_checkpoint(tmp_path / "scratch")
+    _assert_equal_tensors(mine["model"], scratch["model"])
+    for index, values in mine["optimizer"]["state"].items():
+        _assert_equal_tensors(values, scratch["optimizer"]["state"][index])
+    # negative control: a parent whose decay had begun before step 8 (horizon 9) gives another result
+    early = tmp_path / "early"
+    train_in_process(early, *wsd, "trainer.steps=8", "optimizer.decay_steps=9")
+    other = tmp_path / "other"
+    source = early / "checkpoints" / "step_00000008"
+    train_in_process(
+        other, *wsd, "trainer.steps=10", f"trainer.init_from={source}", "trainer.init_state=branch"
+    )
+    assert not torch.equal(load_checkpoint(other)["model"]["embed.weight"], scratch["model"]["embed.weight"])
+
+
 def _drive(fault: str, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
