@@ -137,3 +137,20 @@ def test_arms_with_other_cells_are_refused():
     cells = [(1e7, 2e8), (3e7, 6e8)]
     assert comparable(cells, list(reversed(cells))) == ""
     assert "differ in 2 (rung, tokens) cells" in comparable(cells, [(1e7, 2e8), (3e7, 9e8)])
+
+
+def test_the_default_targets_are_the_1b_and_8b_profiles_counted_by_trmoe():
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
+    from trmoe.model.flops import flops_per_token
+    from trmoe.model.transformer import parameter_counts
+    from trmoe.report.scaling_targets import DEFAULT_TARGETS, target
+
+    assert DEFAULT_TARGETS == ("1b", "8b")
+    one, eight = (target(name) for name in DEFAULT_TARGETS)
+    params = parameter_counts(model_spec(to_config(compose_packaged(["model=1b"]))))
+    assert one.N == params.active - params.embedding and one.D == 20 * one.N
+    spec = model_spec(to_config(compose_packaged(["model=1b"])))
+    assert one.C == flops_per_token(spec, params, 2048) * one.D
+    assert 6 < eight.kappa < one.kappa  # matrices (6), plus attention and the head: a larger share when small
+    assert eight.C / one.C > 50
