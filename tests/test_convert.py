@@ -256,3 +256,25 @@ def test_a_malformed_checkpoint_is_one_line_exit_2_and_nothing_written(tmp_path,
     assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+def test_init_from_a_converted_checkpoint_starts_training(tmp_path):
+    """trainer.init_from=<the converted run>: a new run from its weights (the converted run untouched); it
+    holds no optimizer or train state, so only init_state=weights is allowed (one line, exit 2)."""
+    from helpers import tree_digest
+
+    torch.save(_reference_checkpoint(_trmoe_model()), tmp_path / "checkpoint.pt")
+    cli(["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/ref"], tmp_path, module="trmoe.convert")
+    run_dir, before = tmp_path / "runs" / "ref", tree_digest(tmp_path / "runs" / "ref")
+    overrides = (run_dir / "overrides.txt").read_text().split()
+    tiny = ["data=random", "hardware=cpu", "hardware.threads=1", "trainer.seq_len=16"]
+    tiny += ["trainer.micro_batch=2", "trainer.steps=2", "trainer.eval_batches=1", "run.name=ft"]
+    tiny.append(f"trainer.init_from={run_dir}")
+    refused = cli([*overrides, *tiny, "trainer.init_state=branch"], tmp_path)
+    assert refused.returncode == 2 and "converted checkpoint" in refused.stderr, refused.stderr
+    assert not (tmp_path / "runs" / "ft").exists()
+    out = cli([*overrides, *tiny], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((tmp_path / "runs" / "ft" / "run_config.json").read_text())["init_from"]
+    assert record["kind"] == "converted" and record["step"] == 3
+    first = load_checkpoint(tmp_path / "runs" / "ft")
+    assert first["step"] == 2 and all(torch.isfinite(v).all() for v in first["model"].values())
+    assert tree_digest(run_dir) == before

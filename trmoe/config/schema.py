@@ -149,6 +149,12 @@ class CheckpointFormat(str, Enum):
     dcp = "dcp"  # torch.distributed.checkpoint: every rank writes its own part
 
 
+class InitState(str, Enum):
+    weights = "weights"  # the weights (and route tables) only: step 0, a fresh optimizer, data from the start
+    optimizer = "optimizer"  # the weights and the optimizer's state (moments, step counts): step 0
+    branch = "branch"  # weights, optimizer, data cursor, RNG and step: the run goes on from the parent's step
+
+
 class SpikePolicy(str, Enum):
     log = "log"  # log the spike and count it in metrics.csv; the step is applied
     rollback = "rollback"  # reload the last good checkpoint, recompute the steps since, skip the spike batch
@@ -379,6 +385,8 @@ class TrainerConfig:
     eval_batches: int = 4  # fixed held-out batches scored at every evaluation
     resume: str = "auto"  # auto: newest complete checkpoint of the run dir; never; or a checkpoint path
     force_resume: bool = False  # resume despite training-critical differences (noted in run_config.json)
+    init_from: str | None = None  # a new run from these weights: run, checkpoint, convert/export dir
+    init_state: InitState = InitState.weights  # what init_from carries: weights | optimizer | branch
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     shared_chunk_tokens: int = 0  # shared expert this many tokens at a time, recomputed in backward; 0 = off
     compile: bool = False  # torch.compile the model for training (evaluation stays eager)

@@ -21,6 +21,7 @@ from trmoe.config.schema import (
     AttentionKind,
     Config,
     DataSource,
+    InitState,
     LossBackend,
     ModelInit,
     MuonScope,
@@ -430,6 +431,16 @@ def _validate_reliability(cfg: Config) -> None:
     check_run_name(cfg.run.name)  # (also where hydra.run.dir resolves it, before Hydra makes the directory)
     if not t.resume.strip():
         _fail("trainer.resume", "''", "allowed: auto, never, or the path of a checkpoint or run directory")
+    if t.init_from is not None and not t.init_from.strip():
+        _fail("trainer.init_from", "''", "allowed: null, or a run, checkpoint, convert or export directory")
+    if t.init_from is not None and t.resume.strip() not in ("auto", "never"):
+        _fail(
+            "trainer.init_from",
+            t.init_from,
+            "starts a new run from weights, trainer.resume=<path> continues a checkpoint: use one of them",
+        )
+    if t.init_from is None and t.init_state != InitState.weights:
+        _fail("trainer.init_state", t.init_state.value, "needs trainer.init_from (the run it starts from)")
     if c.every_steps < 0:
         _fail("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 = only at the end)")
     if c.keep_last < 0:

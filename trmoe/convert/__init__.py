@@ -4,8 +4,8 @@ reference's `cf-o200k-pretrain`, layout in docs/coming-from-the-old-runner.md) a
 What it writes into --out (which must not exist yet):
   - checkpoints/step_<s>/: a trmoe checkpoint of the converted weights (an empty optimizer: the old runner's
     AdamW moments are not carried), read by `trmoe.run.checkpoint.load_checkpoint` like any other. It holds
-    no train state (the old file has no RNG state or data cursor), so `trainer.resume=` does not continue it
-    yet: fine-tuning from it needs a way to start a run from weights alone;
+    no train state (the old file has no RNG state or data cursor), so `trainer.resume=` does not continue it:
+    a new run starts from its weights with `trainer.init_from=<out>` (docs/reliability.md);
   - run_config.json: the trmoe config composed from the checkpoint's recorded settings, its model spec and
     parameter counts, and `converted_from` (file, step, the reference's strategy name, p);
   - overrides.txt: the command-line overrides that compose that config (`python -m trmoe.train $(cat ...)`).

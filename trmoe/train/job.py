@@ -16,6 +16,7 @@ exit 3 (trmoe.run.storage); a second live launch into the same directory is refu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from trmoe.run.checkpoint import CheckpointStore, read_pointer
 from trmoe.run.identity import config_container, derived_values, training_view
 from trmoe.run.rundir import RunDir
 from trmoe.runtime import distributed, env, parallel
-from trmoe.train import preflight, run_record, sizing
+from trmoe.train import init_from, preflight, run_record, sizing
 from trmoe.train.observe import trackers
 from trmoe.train.observe.downstream import Downstream
 from trmoe.train.prepare import check_backends
@@ -70,6 +71,7 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     view = training_view(config_container(raw_cfg), derived_values(cfg, dist_env.world_size, amp_dtype), None)
     plan = launch.decide(cfg, view, run, store)  # reads only
     preflight.check(plan, cfg)
+    init = init_from.resolve(cfg, plan, dist_env.world_size)  # trainer.init_from: the parent, checked
     if plan.mode == "complete":
         log.info(
             "%s is complete at step %d (trainer.steps=%d): nothing to do",
@@ -90,6 +92,8 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     data = build_data(cfg, spec.vocab_size, device=device, world_size=dist_env.world_size)
     try:
         plan.check_data(data, data.info, rank=rank, force=cfg.trainer.force_resume)
+        if init is not None:
+            init.load_data_cursor(data, rank)  # a branch reads on where its parent stopped
         fsdp = parallel.resolve_strategy(cfg.hardware.strategy, dist_env) == "fsdp"
         sizing.check_fits(cfg, spec, device, dist_env.world_size if fsdp else 1)  # weights, grads, optimizer
     except BaseException:
@@ -110,7 +114,12 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     try:
         with signals.StopSignals() as stop:
             trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream)
-            run_record.announce(trainer.facts(), cfg, raw_cfg)  # the opening log lines, run_config.json
+            if init is not None:  # the parent's weights (a branch: its optimizer, step and RNG too)
+                init.apply(trainer)
+            # run_config.json's init_from: the parent (a resume keeps the first attempt's record)
+            parent = init.record() if init else (plan.previous or {}).get("init_from")
+            facts = dataclasses.replace(trainer.facts(), init_from=parent)
+            run_record.announce(facts, cfg, raw_cfg)  # the opening log lines, run_config.json
             with trainer:  # opens metrics.csv, telemetry.csv, the trackers, the profiler
                 final = loop(trainer, stop)
         if rank == 0:

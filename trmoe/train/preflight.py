@@ -37,12 +37,22 @@ def check(launch: Launch, cfg: Config) -> None:
     _check_schedules(info, cfg, launch)
 
 
-def _stored_config(meta: dict[str, Any]) -> Config | None:
+def stored_config(meta: dict[str, Any]) -> Config | None:
+    """The Config a checkpoint recorded, or None when this trmoe cannot read it."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), meta["config"])
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except Exception:  # a config from another trmoe version: the key diff already reports it
         return None
+
+
+def meta_model(config: Config) -> TRMoETransformer:
+    """The model `config` builds, on the meta device (no memory), its scheduled gates frozen as training
+    freezes them (so that the optimizer's groups are those of the run)."""
+    with torch.device("meta"):
+        model = TRMoETransformer(model_spec(config))
+    freeze_scheduled_gates(model, build_schedules(config))
+    return model
 
 
 def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
@@ -51,17 +61,11 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
     force_resume may not change how the optimizer groups the parameters either (its saved state loads group
     by group). Both models are built on the meta device: no memory."""
 
-    def build(config: Config) -> TRMoETransformer:
-        with torch.device("meta"):
-            model = TRMoETransformer(model_spec(config))
-        freeze_scheduled_gates(model, build_schedules(config))
-        return model
-
     try:
         old = model_shapes(info)
     except CheckpointError as e:
         raise UserError(f"checkpoint unusable: {e} (nothing was changed)") from None
-    model = build(cfg)
+    model = meta_model(cfg)
     new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if old != new:
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
@@ -75,10 +79,13 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
             f"checkpoint {info.path} does not fit this model: {len(changed)} tensors differ "
             f"(e.g. {example}); resume it with the trmoe version that wrote it (nothing was changed)"
         )
-    stored = _stored_config(info.meta) if forced else None
+    stored = stored_config(info.meta) if forced else None
     if stored is None:  # not forced (same config, same groups), or a config from another trmoe version
         return
-    old_groups, new_groups = group_layout(build(stored), stored.optimizer), group_layout(model, cfg.optimizer)
+    old_groups, new_groups = (
+        group_layout(meta_model(stored), stored.optimizer),
+        group_layout(model, cfg.optimizer),
+    )
     if old_groups != new_groups:
         first = next(
             (i for i, (a, b) in enumerate(zip(old_groups, new_groups, strict=False)) if a != b),
@@ -97,7 +104,7 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
 def _check_schedules(info: CheckpointInfo, cfg: Config, launch: Launch) -> None:
     """trainer.steps may change, but not what the schedules did in the steps already run (e.g. a cosine
     horizon that moves bends the LR of steps already taken)."""
-    stored = _stored_config(info.meta)
+    stored = stored_config(info.meta)
     if stored is None or info.step == 0:
         return
     try:

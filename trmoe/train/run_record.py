@@ -43,6 +43,7 @@ class RunFacts:
     metrics_columns: tuple[str, ...]
     mfu_peak: dict[str, Any]  # the peak FLOP/s the mfu column is against, its source (observe/meters.py)
     controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
+    init_from: dict[str, Any] | None = None  # the parent of trainer.init_from (InitSource.record)
 
 
 def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
@@ -104,6 +105,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "mfu_peak": facts.mfu_peak,  # a resume reuses a measured one: one figure for every attempt
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
+            "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),
         },

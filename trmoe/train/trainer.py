@@ -204,7 +204,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- the run
 
     def start(self) -> None:
-        """Resume from the launch's checkpoint, or evaluate step 0 of a fresh run."""
+        """Resume from the launch's checkpoint, or evaluate a fresh run's first step (0; a branch
+        started by trainer.init_from: its parent's, loaded by the job)."""
         launch, rollback = self.launch, self.cfg.guard.spike_policy == SpikePolicy.rollback
         if launch.mode == "resume":
             state = self.store.load(launch.checkpoint, model=self.model, optimizer=self.optimizer)
@@ -214,12 +215,12 @@ class Trainer:
             if rollback and launch.external:  # another run's checkpoint: something to roll back to here
                 self.store.try_save(self.step, self._checkpoint)
         else:
-            figures = self.evaluate(0)
-            first_row = {"step": 0, "tokens": 0, **figures, "elapsed_s": 0.0}
-            self.output.write(first_row)
-            log.info("step 0 | eval %.4f | eval_train %.4f", figures["eval_loss"], figures["eval_train_loss"])
+            step, state = self.state.step, self.state
+            ev = self.evaluate(step)
+            self.output.write({"step": step, "tokens": state.tokens, **ev, "elapsed_s": state.train_time})
+            log.info("step %d | eval %.4f | eval_train %.4f", step, ev["eval_loss"], ev["eval_train_loss"])
             if rollback:
-                self.store.try_save(0, self._checkpoint)  # to roll back to before the first periodic one
+                self.store.try_save(step, self._checkpoint)  # to roll back to before the first periodic one
         self._clock = time.perf_counter()
 
     def train_step(self, step: int) -> guards.Verdict:

@@ -1,0 +1,156 @@
+"""The scaling-law fits (trmoe/report/scaling_laws.py) on simulated ladders with planted laws: the fit
+recovers (E, A, B, α, β); the frontier, its inverse and the multiplier agree with their definitions; too few
+rungs or an unidentified exponent give no number; the backtest predicts the largest rung; and over 100
+seeded ladders the 95% intervals cover the true compute multiplier in 90-99% of them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize_scalar
+
+from trmoe.report.scaling_laws import (
+    Arm,
+    Law,
+    backtest,
+    comparable,
+    compare,
+    fit,
+    multiplier,
+    parameter_intervals,
+)
+
+CHINCHILLA = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022, approach 3
+BETTER = Law(E=1.69, A=406.4 * 0.7, B=410.7, alpha=0.34, beta=0.28)  # fewer parameters for the same loss
+KAPPA = 6.0
+
+
+def ladder(law: Law, *, rungs=5, ratios=(10, 20, 40), seeds=1, noise=0.01, rng=None):
+    """Runs of a planted law: N over rungs sizes, D = N x each tokens-per-parameter ratio, per seed, with
+    log-normal noise on the loss."""
+    sizes = np.geomspace(1e7, 3e8, rungs)
+    N = np.repeat(sizes, len(ratios) * seeds)
+    D = N * np.tile(np.repeat(ratios, seeds), rungs)
+    seed = np.tile(np.arange(seeds), rungs * len(ratios))
+    L = law.loss(N, D) * np.exp((rng or np.random.default_rng(0)).normal(0, noise, N.size))
+    return N, D, L, seed
+
+
+def test_the_fit_recovers_a_planted_law():
+    N, D, L, _ = ladder(CHINCHILLA, rungs=6, ratios=(5, 10, 20, 40, 80), seeds=2, noise=0.002)
+    found = fit(N, D, L)
+    assert found.ok, found.reason
+    law = found.law
+    assert law.alpha == pytest.approx(0.34, abs=0.03) and law.beta == pytest.approx(0.28, abs=0.03)
+    assert law.E == pytest.approx(1.69, rel=0.05)
+    # A and B trade off against the exponents: the losses they predict must agree, in and out of range
+    for n, d in ((1e7, 2e8), (3e8, 6e9), (1e9, 2e10)):
+        assert law.loss(n, d) == pytest.approx(CHINCHILLA.loss(n, d), rel=0.005)
+    # negative control: the fit of another law's runs is told apart
+    other = fit(*ladder(BETTER, rungs=6, ratios=(5, 10, 20, 40, 80), seeds=2, noise=0.002)[:3]).law
+    assert abs(other.loss(3e8, 6e9) - law.loss(3e8, 6e9)) > 0.02
+
+
+def test_frontier_inverse_and_multiplier_follow_their_definitions():
+    C = np.geomspace(1e17, 1e23, 7)
+    assert np.allclose(CHINCHILLA.compute_for(CHINCHILLA.frontier(C, KAPPA), KAPPA), C, rtol=1e-9)
+    assert np.allclose(multiplier(CHINCHILLA, CHINCHILLA, C, KAPPA, KAPPA), 1.0)
+    for c in C[:3]:  # the frontier is the least loss over N at that compute
+        best = minimize_scalar(
+            lambda logn, c=c: CHINCHILLA.loss(math.exp(logn), c / (KAPPA * math.exp(logn))),
+            bounds=(5, 40),
+            method="bounded",
+            options={"xatol": 1e-10},
+        )
+        assert CHINCHILLA.frontier(c, KAPPA) == pytest.approx(best.fun, rel=1e-7)
+        assert CHINCHILLA.n_opt(c, KAPPA) == pytest.approx(math.exp(best.x), rel=1e-3)
+    k = multiplier(CHINCHILLA, BETTER, C, KAPPA, KAPPA)
+    assert np.all(k > 1)  # the better arm needs less compute
+    assert np.allclose(CHINCHILLA.frontier(k * C, KAPPA), BETTER.frontier(C, KAPPA), rtol=1e-9)
+    assert np.isinf(CHINCHILLA.compute_for(1.0, KAPPA))  # below the floor E: no compute reaches it
+
+
+def test_too_few_rungs_or_an_unidentified_exponent_give_no_number():
+    N, D, L, _ = ladder(CHINCHILLA, rungs=2)
+    assert not fit(N, D, L).ok and "too few rungs" in fit(N, D, L).reason
+    N, D, L, _ = ladder(CHINCHILLA, rungs=3, ratios=(20,), seeds=2)
+    assert "too few runs" in fit(N, D, L).reason
+    N, D, L, seeds = ladder(CHINCHILLA)
+    flat = 3.0 * np.exp(np.random.default_rng(1).normal(0, 0.01, N.size))  # no dependence on N or D
+    result = compare(Arm(N, D, flat, seeds, KAPPA), Arm(N, D, L, seeds, KAPPA), 1e20)
+    assert not result.control.ok and result.arm.ok
+    assert result.reason.startswith("control: did not converge")
+    assert np.isnan(result.k).all() and np.isnan(result.low).all()  # no number printed
+
+
+def test_the_backtest_predicts_the_largest_rung():
+    N, D, L, _ = ladder(CHINCHILLA, rungs=6, seeds=2, noise=0.005)
+    result = backtest(N, D, L, samples=40)
+    assert result.reason == "" and result.N == N.max()
+    assert result.low < result.predicted < result.high
+    assert result.covered and result.predicted == pytest.approx(result.measured, rel=0.02)
+    # a shifted largest rung (another law there) falls outside the interval
+    shifted = np.where(N == N.max(), L * 1.15, L)
+    assert not backtest(N, D, shifted, samples=40).covered
+
+
+@pytest.mark.slow
+def test_95_percent_intervals_cover_the_true_multiplier_in_90_to_99_percent_of_100_ladders():
+    """100 seeded ladders of two planted laws (5 rungs x 3 budgets, 1 % noise on the loss): the interval of
+    k at the largest rung's compute (20 tokens per parameter) covers the true k in 90-99 of them."""
+    N, D, _, _ = ladder(CHINCHILLA)
+    C = KAPPA * N.max() * 20 * N.max()
+    truth = float(multiplier(CHINCHILLA, BETTER, C, KAPPA, KAPPA))
+    hits = 0
+    for i in range(100):
+        rng = np.random.default_rng(1000 + i)
+        control, arm = (Arm(*ladder(law, rng=rng), KAPPA) for law in (CHINCHILLA, BETTER))
+        result = compare(control, arm, C, samples=30, seed=i)
+        assert result.reason == ""
+        hits += bool(result.low[0] <= truth <= result.high[0])
+    assert 90 <= hits <= 99, hits
+
+
+def test_seeds_are_resampled_whole_and_paired_and_extrapolation_is_flagged():
+    rng = np.random.default_rng(7)
+    control, arm = (Arm(*ladder(law, seeds=3, noise=0.005, rng=rng), KAPPA) for law in (CHINCHILLA, BETTER))
+    inside = KAPPA * 3e8 * 20 * 3e8
+    result = compare(control, arm, [inside, inside * 1e3], samples=30)
+    assert result.reason == "" and result.paired  # every cell holds 3 seeds: whole seeds, the same for both
+    # the largest compute of the runs: the largest rung at 40 tokens per parameter, twice `inside`
+    assert list(result.extrapolated) == [False, True]
+    assert result.decades[1] == pytest.approx(3 - math.log10(2))
+    assert np.all(result.low < result.k) and np.all(result.k < result.high)
+    truth = multiplier(CHINCHILLA, BETTER, np.array([inside]), KAPPA, KAPPA)[0]
+    assert result.low[0] <= truth <= result.high[0]
+    params = parameter_intervals(result.control, result.control_reps)
+    assert set(params) == {"E", "A", "B", "alpha", "beta"}
+    for name, (value, low, high) in params.items():
+        assert low < value < high and all(map(math.isfinite, (value, low, high))), name
+    lone = compare(Arm(*ladder(CHINCHILLA), KAPPA), Arm(*ladder(BETTER), KAPPA), inside, samples=10)
+    assert not lone.paired  # one seed per cell: runs are resampled, each arm on its own
+
+
+def test_arms_with_other_cells_are_refused():
+    cells = [(1e7, 2e8), (3e7, 6e8)]
+    assert comparable(cells, list(reversed(cells))) == ""
+    assert "differ in 2 (rung, tokens) cells" in comparable(cells, [(1e7, 2e8), (3e7, 9e8)])
+
+
+def test_the_default_targets_are_the_1b_and_8b_profiles_counted_by_trmoe():
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
+    from trmoe.model.flops import flops_per_token
+    from trmoe.model.transformer import parameter_counts
+    from trmoe.report.scaling_targets import DEFAULT_TARGETS, target
+
+    assert DEFAULT_TARGETS == ("1b", "8b")
+    one, eight = (target(name) for name in DEFAULT_TARGETS)
+    params = parameter_counts(model_spec(to_config(compose_packaged(["model=1b"]))))
+    assert one.N == params.active - params.embedding and one.D == 20 * one.N
+    spec = model_spec(to_config(compose_packaged(["model=1b"])))
+    assert one.C == flops_per_token(spec, params, 2048) * one.D
+    assert 6 < eight.kappa < one.kappa  # matrices (6), plus attention and the head: a larger share when small
+    assert eight.C / one.C > 50

@@ -1,0 +1,397 @@
+"""Scaling-law fits of a model ladder: the Chinchilla form, its compute frontier, compute multipliers
+between arms, bootstrap intervals and a backtest (docs/scaling.md). numpy and scipy only: no torch.
+
+    L(N, D) = E + A / N^α + B / D^β                       N parameters, D training tokens (Hoffmann et al.
+                                                          2022, approach 3)
+    fit:      minimise Σ_i Huber_δ( LSE(e, a − α ln N_i, b − β ln D_i) − ln L_i )   e, a, b = ln E, ln A, ln B
+              (δ = 1e-3, in log-loss: robust to a bad run), scipy.optimize.least_squares (trust region
+              reflective, analytic Jacobian) from a grid of starts; ln N and ln D are centred on the data's
+              geometric means for conditioning, and A, B reported in the original units
+    compute:  C = κ · N · D, κ = training FLOPs per token per parameter (6 for the matrix multiplies alone;
+              the ladder measures it from trmoe.model.flops, attention included, per arm)
+    frontier: the least loss at compute C, over N with D = C / (κ N):
+              N_opt = g · X^(β/(α+β)),  g = (αA / (βB))^(1/(α+β)),  X = C / κ
+              L*(C) = E + G · X^(−γ),   γ = αβ / (α+β),  G = A g^(−α) + B g^β
+    inverse:  C(L) = κ · (G / (L − E))^(1/γ)       (infinite for L ≤ E: beyond the law's floor)
+    multiplier of an arm against the control at compute C: k(C) = C_control(L*_arm(C)) / C, i.e.
+              L*_control(k · C) = L*_arm(C); k > 1: the arm reaches the control's loss with 1/k of its compute
+
+Intervals are bootstrap standard-error intervals, estimate ± z·sd over the replicates (on the log scale for
+multipliers and losses; Efron & Tibshirani 1993, ch. 13: a few dozen replicates estimate a standard error,
+percentiles need thousands): the runs of each arm are resampled with replacement (cases
+bootstrap; with the seed as the unit when every cell has several seeds: whole seeds are drawn, the same ones
+for every arm, so paired seeds stay paired) and each replicate is refitted from the full fit's optimum. A
+replicate that does not converge is dropped and counted. The backtest fits without the largest rung and
+predicts its runs; its interval is a bootstrap prediction interval (each replicate's prediction plus a
+resampled residual of the reduced fit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import least_squares
+from scipy.stats import norm
+
+DELTA = 1e-3  # Huber threshold on log-loss residuals (Hoffmann et al. 2022)
+BOUNDS = (1e-3, 3.0)  # α, β: an exponent at a bound is not identified by the data
+MIN_RUNGS = 3  # distinct N: fewer cannot separate E from A/N^α
+MIN_POINTS = 7  # five parameters, and at least two degrees of freedom left
+EXTRAPOLATION_DECADES = 1.0  # a target more than this many decades of compute beyond the data is flagged
+
+
+@dataclass(frozen=True)
+class Law:
+    """L(N, D) = E + A/N^α + B/D^β."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+    def loss(self, N, D):
+        return self.E + self.A / np.power(N, self.alpha) + self.B / np.power(D, self.beta)
+
+    @property
+    def gamma(self) -> float:
+        return self.alpha * self.beta / (self.alpha + self.beta)
+
+    def _g_G(self) -> tuple[float, float]:
+        g = (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
+        return g, self.A * g ** (-self.alpha) + self.B * g**self.beta
+
+    def n_opt(self, C, kappa: float):
+        g, _ = self._g_G()
+        return g * np.power(np.asarray(C, dtype=float) / kappa, self.beta / (self.alpha + self.beta))
+
+    def frontier(self, C, kappa: float):
+        """L*(C): the least loss at compute C."""
+        _, G = self._g_G()
+        return self.E + G * np.power(np.asarray(C, dtype=float) / kappa, -self.gamma)
+
+    def compute_for(self, L, kappa: float):
+        """C(L), the frontier's inverse; inf where L <= E."""
+        _, G = self._g_G()
+        gap = np.asarray(L, dtype=float) - self.E
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(
+                gap > 0, kappa * np.power(G / np.where(gap > 0, gap, 1.0), 1 / self.gamma), np.inf
+            )
+
+    def to_dict(self) -> dict[str, float]:
+        return {"E": self.E, "A": self.A, "B": self.B, "alpha": self.alpha, "beta": self.beta}
+
+
+def multiplier(control: Law, arm: Law, C, kappa_control: float, kappa_arm: float):
+    """k(C) with L*_control(k·C) = L*_arm(C)."""
+    C = np.asarray(C, dtype=float)
+    return control.compute_for(arm.frontier(C, kappa_arm), kappa_control) / C
+
+
+@dataclass
+class Fit:
+    """A fitted law, or why there is none (`reason`: too few rungs or points, no convergence)."""
+
+    law: Law | None
+    reason: str = ""
+    points: int = 0
+    theta: np.ndarray | None = field(default=None, repr=False)  # internal parameters, for warm starts
+    centre: tuple[float, float] = (0.0, 0.0)  # ln N0, ln D0
+
+    @property
+    def ok(self) -> bool:
+        return self.law is not None
+
+
+def _residuals(theta, n, d, y):
+    e, a, alpha, b, beta = theta
+    terms = np.stack([np.full_like(n, e), a - alpha * n, b - beta * d])
+    top = terms.max(axis=0)
+    w = np.exp(terms - top)
+    total = w.sum(axis=0)
+    return top + np.log(total) - y, w / total
+
+
+def _fun(theta, n, d, y):
+    return _residuals(theta, n, d, y)[0]
+
+
+def _jac(theta, n, d, y):
+    _, w = _residuals(theta, n, d, y)
+    return np.stack([w[0], w[1], -w[1] * n, w[2], -w[2] * d], axis=1)
+
+
+def _solve(theta0, n, d, y, delta):
+    lower = [-np.inf, -np.inf, BOUNDS[0], -np.inf, BOUNDS[0]]
+    upper = [np.inf, np.inf, BOUNDS[1], np.inf, BOUNDS[1]]
+    return least_squares(
+        _fun, theta0, jac=_jac, args=(n, d, y), loss="huber", f_scale=delta, bounds=(lower, upper)
+    )
+
+
+def _starts(y) -> list[np.ndarray]:
+    floor = float(np.min(y))
+    out = []
+    for frac, alpha, beta in itertools.product((0.5, 0.9), (0.25, 0.6), (0.25, 0.6)):
+        e = floor + math.log(frac)
+        rest = math.log(max(math.exp(floor) * (1 - frac), 1e-6))
+        out.append(np.array([e, rest, alpha, rest, beta]))
+    return out
+
+
+def _law(theta, centre) -> Law:
+    e, a, alpha, b, beta = (float(v) for v in theta)
+    n0, d0 = centre
+    return Law(math.exp(e), math.exp(a + alpha * n0), math.exp(b + beta * d0), alpha, beta)
+
+
+def _converged(result) -> str:
+    if not result.success or not np.all(np.isfinite(result.x)):
+        return f"did not converge ({result.message})"
+    for name, value in (("alpha", result.x[2]), ("beta", result.x[4])):
+        if min(abs(value - BOUNDS[0]), abs(value - BOUNDS[1])) < 1e-6:
+            return f"did not converge ({name} at its bound {value:.3g}: not identified by these runs)"
+    return ""
+
+
+def fit(N, D, L, *, delta: float = DELTA, start: Fit | None = None) -> Fit:
+    """The Chinchilla law of runs (N_i, D_i, final loss L_i). `start`: refit from that fit's optimum (the
+    bootstrap) instead of the grid of starts."""
+    N, D, L = (np.asarray(v, dtype=float) for v in (N, D, L))
+    if len(np.unique(N)) < MIN_RUNGS:
+        return Fit(None, f"too few rungs ({len(np.unique(N))} sizes; a fit needs >= {MIN_RUNGS})", len(L))
+    if len(L) < MIN_POINTS:
+        return Fit(None, f"too few runs ({len(L)}; a fit of 5 parameters needs >= {MIN_POINTS})", len(L))
+    if len(np.unique(np.round(np.log(D / N), 6))) < 2 and len(np.unique(D)) < MIN_RUNGS:
+        return Fit(
+            None, "one token budget per size and too few budgets: alpha and beta are not separable", len(L)
+        )
+    warm = start is not None and start.theta is not None
+    centre = start.centre if warm else (float(np.mean(np.log(N))), float(np.mean(np.log(D))))
+    n, d, y = np.log(N) - centre[0], np.log(D) - centre[1], np.log(L)
+    starts = [start.theta] if warm else _starts(y)
+    best = None
+    for theta0 in starts:
+        result = _solve(theta0, n, d, y, delta)
+        if best is None or result.cost < best.cost:
+            best = result
+    why = _converged(best)
+    if why:
+        return Fit(None, why, len(L))
+    return Fit(_law(best.x, centre), "", len(L), best.x, centre)
+
+
+@dataclass
+class Groups:
+    """How the bootstrap resamples: the run indices of each unit (a seed, or each run on its own)."""
+
+    units: list[np.ndarray]
+
+
+def resampling_units(seeds, cells) -> Groups:
+    """Whole seeds when every cell (rung x budget) holds >= 2 distinct seeds, else single runs."""
+    seeds, cells = np.asarray(seeds), [tuple(c) for c in cells]
+    per_cell: dict[tuple, set] = {}
+    for s, c in zip(seeds, cells, strict=True):
+        per_cell.setdefault(c, set()).add(s)
+    if per_cell and min(len(v) for v in per_cell.values()) >= 2:
+        return Groups([np.flatnonzero(seeds == s) for s in sorted(set(seeds.tolist()))])
+    return Groups([np.array([i]) for i in range(len(seeds))])
+
+
+@dataclass
+class Replicates:
+    """The bootstrap's refitted laws (None where a replicate did not converge)."""
+
+    laws: list[Law | None]
+
+    @property
+    def dropped(self) -> int:
+        return sum(law is None for law in self.laws)
+
+    def values(self, f) -> np.ndarray:
+        """f(law) over the converged replicates (stacked)."""
+        return np.array([f(law) for law in self.laws if law is not None])
+
+
+def draws(units: int, samples: int, seed: int) -> np.ndarray:
+    """[samples, units] unit indices drawn with replacement (shared by the arms: paired seeds stay paired)."""
+    return np.random.default_rng(seed).integers(0, units, size=(samples, units))
+
+
+def bootstrap(N, D, L, full: Fit, groups: Groups, picks: np.ndarray) -> Replicates:
+    """Refit every resample (`picks`: rows of unit indices) from the full fit's optimum."""
+    N, D, L = (np.asarray(v, dtype=float) for v in (N, D, L))
+    laws = []
+    for row in picks:
+        index = np.concatenate([groups.units[u] for u in row])
+        laws.append(fit(N[index], D[index], L[index], start=full).law)
+    return Replicates(laws)
+
+
+@dataclass
+class Arm:
+    """One arm's usable runs: parameters N, tokens D, final loss L, seed, and κ (FLOPs per token per N)."""
+
+    N: np.ndarray
+    D: np.ndarray
+    L: np.ndarray
+    seeds: np.ndarray
+    kappa: float
+
+    def __post_init__(self):
+        self.N, self.D, self.L = (np.asarray(v, dtype=float) for v in (self.N, self.D, self.L))
+        self.seeds = np.asarray(self.seeds)
+
+    @property
+    def units(self) -> Groups:
+        return resampling_units(self.seeds, zip(self.N, self.D, strict=True))
+
+
+@dataclass
+class Comparison:
+    """The compute multiplier of an arm against the control at computes C, with intervals; `reason` says
+    why there is no number (either fit)."""
+
+    C: np.ndarray
+    k: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    control: Fit
+    arm: Fit
+    control_reps: Replicates | None = None
+    arm_reps: Replicates | None = None
+    paired: bool = False
+    reason: str = ""
+    decades: np.ndarray | None = None  # log10(C / the largest compute of the runs), per C (> 0: beyond)
+
+    @property
+    def extrapolated(self) -> np.ndarray:
+        return self.decades > EXTRAPOLATION_DECADES
+
+
+def compare(
+    control: Arm, arm: Arm, C, *, samples: int = 100, seed: int = 0, level: float = 0.95
+) -> Comparison:
+    """k(C) of `arm` against `control` (module docstring) and its bootstrap interval. Paired when both
+    resample whole seeds and share them (the same seeds drawn for both)."""
+    C = np.atleast_1d(np.asarray(C, dtype=float))
+    nan = np.full(C.shape, np.nan)
+    seen = max(float(np.max(a.kappa * a.N * a.D)) for a in (control, arm))
+    decades = np.log10(C / seen)
+    fits = fit(control.N, control.D, control.L), fit(arm.N, arm.D, arm.L)
+    if not all(f.ok for f in fits):
+        which = "control" if not fits[0].ok else "arm"
+        reason = f"{which}: {(fits[0] if which == 'control' else fits[1]).reason}"
+        return Comparison(C, nan, nan, nan, *fits, reason=reason, decades=decades)
+    k = multiplier(fits[0].law, fits[1].law, C, control.kappa, arm.kappa)
+    units = control.units, arm.units
+    by_seed = [len(u.units) < len(a.L) for a, u in zip((control, arm), units, strict=True)]
+    paired = all(by_seed) and set(control.seeds.tolist()) == set(arm.seeds.tolist())
+    picks = [draws(len(units[0].units), samples, seed)]
+    picks.append(picks[0] if paired else draws(len(units[1].units), samples, seed + 1))
+    reps = [
+        bootstrap(a.N, a.D, a.L, f, u, p)
+        for a, f, u, p in zip((control, arm), fits, units, picks, strict=True)
+    ]
+    values = np.array(
+        [
+            multiplier(c, a, C, control.kappa, arm.kappa)
+            for c, a in zip(reps[0].laws, reps[1].laws, strict=True)
+            if c is not None and a is not None
+        ]
+    ).reshape(-1, C.size)
+    bounds = np.array([interval(k[i], values[:, i], level, log=True) for i in range(C.size)]).reshape(
+        C.size, 2
+    )
+    return Comparison(C, k, bounds[:, 0], bounds[:, 1], *fits, reps[0], reps[1], paired, "", decades)
+
+
+def parameter_intervals(full: Fit, reps: Replicates, level: float = 0.95) -> dict[str, tuple[float, ...]]:
+    """(estimate, low, high) of E, A, B (log scale) and α, β."""
+    point = full.law.to_dict()
+    return {
+        name: (
+            value,
+            *interval(value, reps.values(lambda law, n=name: law.to_dict()[n]), level, log=name in "EAB"),
+        )
+        for name, value in point.items()
+    }
+
+
+def comparable(control_cells, arm_cells) -> str:
+    """Why two arms' runs cannot be compared ("" when they can): each must hold the same (rung, tokens)
+    cells, or a multiplier would mix a difference of budgets into the difference of arms."""
+    missing = set(map(tuple, control_cells)) ^ set(map(tuple, arm_cells))
+    return (
+        f"the arms' runs differ in {len(missing)} (rung, tokens) cells, e.g. {sorted(missing)[0]}"
+        if missing
+        else ""
+    )
+
+
+def interval(point, values, level: float = 0.95, *, log: bool = False) -> tuple[float, float]:
+    """The bootstrap standard-error interval: point ± z·sd(values) (on the log scale with `log`: for a
+    ratio or a loss, always positive). nan without replicates; an upper bound of inf when more than the
+    tail share of the replicates is infinite (a multiplier beyond the control's floor)."""
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    if values.size < 2 or not math.isfinite(point):
+        return (math.nan, math.nan)
+    z = float(norm.ppf(0.5 + level / 2))
+    finite = values[np.isfinite(values)]
+    scale = np.log(finite) if log else finite
+    centre = math.log(point) if log else point
+    sd = float(np.std(scale, ddof=1)) if finite.size > 1 else math.inf
+    low, high = centre - z * sd, centre + z * sd
+    if log:
+        low, high = math.exp(low), math.exp(high)
+    if (values.size - finite.size) / values.size > (1 - level) / 2:
+        high = math.inf
+    return low, high
+
+
+@dataclass
+class Backtest:
+    """The largest rung predicted from the others."""
+
+    N: float
+    predicted: float  # mean over the rung's runs of the prediction
+    measured: float  # mean of their final losses
+    low: float
+    high: float
+    reason: str = ""
+
+    @property
+    def covered(self) -> bool:
+        return self.low <= self.measured <= self.high
+
+
+def backtest(N, D, L, *, samples: int = 100, seed: int = 0, level: float = 0.95) -> Backtest:
+    """Fit without the largest N; predict its runs' mean loss, with a bootstrap prediction interval."""
+    N, D, L = (np.asarray(v, dtype=float) for v in (N, D, L))
+    top = N.max()
+    held, kept = N == top, N < top
+    measured = float(np.mean(L[held]))
+    reduced = fit(N[kept], D[kept], L[kept])
+    if not reduced.ok:
+        return Backtest(float(top), math.nan, measured, math.nan, math.nan, reduced.reason)
+    predicted = float(np.mean(reduced.law.loss(N[held], D[held])))
+    residuals = np.log(L[kept]) - np.log(reduced.law.loss(N[kept], D[kept]))
+    groups = Groups([np.array([i]) for i in range(int(kept.sum()))])
+    picks = draws(len(groups.units), samples, seed)
+    reps = bootstrap(N[kept], D[kept], L[kept], reduced, groups, picks)
+    noise = np.random.default_rng(seed + 1).choice(residuals, size=len(reps.laws)) / math.sqrt(
+        int(held.sum())
+    )
+    values = [
+        float(np.mean(law.loss(N[held], D[held]))) * math.exp(eps)
+        for law, eps in zip(reps.laws, noise, strict=True)
+        if law is not None
+    ]
+    low, high = interval(predicted, values, level, log=True)
+    return Backtest(float(top), predicted, measured, low, high)

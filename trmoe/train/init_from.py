@@ -1,0 +1,288 @@
+"""trainer.init_from: a new run that starts from another model's weights (docs/reliability.md, "Starting
+from another run").
+
+    trainer.init_from=<path>     a run directory, its checkpoints/ or one step_XXXXXXXX (its newest complete
+                                 checkpoint), a `python -m trmoe.convert` output (a run directory), or a
+                                 `python -m trmoe.export` directory (format hf or safetensors)
+    trainer.init_state=weights   the weights and route tables only: step 0, a fresh optimizer, data from the
+                                 first sample (a warm start, fine-tuning)
+                       optimizer the weights and the optimizer's state (moments, step counts): step 0
+                       branch    weights, optimizer, data cursor, RNG, step and training time: the run goes
+                                 on from the parent's step under its own config (trainer.steps, the LR
+                                 schedule): a WSD cooldown branch (docs/scaling.md)
+
+The new run is a run directory of its own: the parent is only read, never written. run_config.json records
+the parent (`init_from`: path, run directory, step, kind, content hash and what was carried); a resume of the
+new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
+it from the parent again. Everything is checked before anything is written: the path, the tensors' names and
+shapes against the model this config builds, and what `init_state` needs (an optimizer state and a train
+state in the parent, trainer.steps beyond its step, the same tokens per step and the same data).
+
+The content hash is the SHA-256 of the parent's file records (the size and CRC32 of every file, verified
+against the bytes before they are used; an export's model.safetensors is checksummed here): it names the
+exact bytes the run started from without hashing gigabytes twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trmoe.config.schema import Config, InitState
+from trmoe.errors import UserError
+from trmoe.load import find_checkpoint
+from trmoe.run.cadence import NEVER, Cadence
+from trmoe.run.checkpoint import (
+    TORCH_PAYLOAD,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    file_crc32,
+    load_local_state,
+    model_shapes,
+)
+from trmoe.run.identity import ABSENT
+from trmoe.train.preflight import meta_model, stored_config
+
+log = logging.getLogger("trmoe")
+
+KEY = "trainer.init_from"
+ALLOWED = "a run directory, a checkpoint, a trmoe.convert output or a trmoe.export directory"
+SAFETENSORS = "model.safetensors"
+# What a branch takes from the parent's train state; the metrics window, the guard's history and the
+# telemetry window start empty (they describe the parent's last steps, not this run's).
+BRANCH_PARTS = ("state", "rng")
+
+
+@dataclass
+class InitSource:
+    """Where a new run's weights come from (checked against its config: `resolve`)."""
+
+    path: Path  # the checkpoint directory, or the export directory
+    kind: str  # checkpoint | converted | export
+    step: int
+    state: InitState
+    content_hash: str
+    info: CheckpointInfo | None = None  # a trmoe checkpoint (checkpoint, converted)
+    export_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def parent_run(self) -> Path:
+        return self.path.parent.parent if self.info is not None else self.path
+
+    @property
+    def branch(self) -> bool:
+        return self.state == InitState.branch
+
+    def record(self) -> dict[str, Any]:
+        """run_config.json's `init_from`."""
+        return {
+            "path": str(self.path.resolve()),
+            "run": str(self.parent_run.resolve()),
+            "step": self.step,
+            "kind": self.kind,
+            "content_hash": self.content_hash,
+            "carried": self.state.value,
+        }
+
+    # -------------------------------------------------------------------------------------------- loading
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parent's model tensors (names as trmoe's state_dict has them), on the CPU."""
+        if self.info is None:
+            from safetensors.torch import load_file
+
+            state = load_file(str(self.path / SAFETENSORS))
+            return {_strip(k, self.export_config): v for k, v in state.items()}
+        if self.info.meta.get("format", "torch") == "torch":
+            return torch.load(self.info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
+        from trmoe.run.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.info.path)["model"]
+
+    def load_data_cursor(self, data, rank: int) -> None:
+        """A branch reads on where the parent stopped: its data cursor (a UserError, before anything is
+        written, when this run reads other data)."""
+        if self.branch and self.info is not None:
+            cursor = load_local_state(self.info, rank).get("data")
+            if cursor is not None:
+                try:
+                    data.load_state_dict(cursor)
+                except UserError as e:
+                    raise UserError(
+                        f"{KEY}={self.path} (init_state=branch): {e} (nothing was written)"
+                    ) from None
+
+    def apply(self, trainer) -> None:
+        """Into a built Trainer at its start: the weights, and what init_state carries besides."""
+        model = trainer.model
+        if self.state == InitState.weights:
+            _load_weights(model, self.weights())
+        else:  # the store's own load: weights and optimizer state, whatever the format and the sharding
+            store = CheckpointStore(self.info.path.parent, rank=trainer.dist.rank)
+            local = store.load(self.info, model=model, optimizer=trainer.optimizer)
+            if self.branch:
+                skip = [n for n in trainer.components.names() if n not in BRANCH_PARTS]
+                trainer.components.load_state_dict(local, skip=skip)
+                for evaluator in trainer.evaluators:  # the branch point is scored, as step 0 of a run is
+                    if getattr(evaluator, "cadence", NEVER) != NEVER:
+                        evaluator.cadence = evaluator.cadence | Cadence(at=(self.step,))
+        log.info(
+            "%s: %s of %s (step %d, %s), content %s",
+            KEY,
+            self.state.value,
+            self.path,
+            self.step,
+            self.kind,
+            self.content_hash[:12],
+        )
+
+
+def _strip(name: str, config: dict[str, Any]) -> str:
+    """An hf export stores model.<trmoe name>; a safetensors export trmoe's names."""
+    return name.removeprefix("model.") if config.get("model_type") == "trmoe" else name
+
+
+def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP: each rank keeps its shards
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(state, strict=True)
+
+
+def _digest(files: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _from_export(path: Path, state: InitState) -> InitSource:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{KEY}={path}: no readable config.json ({e}); allowed: {ALLOWED}") from None
+    if not isinstance(config, dict) or not (
+        config.get("model_type") == "trmoe" or "trmoe_model_spec" in config
+    ):
+        raise UserError(f"{KEY}={path}: config.json is not a trmoe export's; allowed: {ALLOWED}")
+    if state != InitState.weights:
+        raise UserError(
+            f"trainer.init_state={state.value}: {path} is an export (weights only); allowed: weights"
+        )
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"{KEY}={path}: reading an export needs safetensors: pip install 'trmoe[hf]'"
+        ) from None
+    step = (config.get("trmoe") or {}).get("step", config.get("step", 0))
+    return InitSource(
+        path=path,
+        kind="export",
+        step=int(step or 0),
+        state=state,
+        content_hash=_digest({SAFETENSORS: file_crc32(path / SAFETENSORS)}),
+        export_config=config,
+    )
+
+
+def _export_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(source.path / SAFETENSORS), framework="pt") as f:
+            return {_strip(k, source.export_config): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # not a safetensors file, truncated
+        raise UserError(f"{KEY}={source.path}: {SAFETENSORS} unreadable ({type(e).__name__}: {e})") from None
+
+
+def find(cfg: Config) -> InitSource:
+    """The parent that trainer.init_from names, verified (a missing or damaged path: UserError)."""
+    raw, state = cfg.trainer.init_from, cfg.trainer.init_state
+    path = Path(raw).expanduser()
+    if not path.exists():
+        raise UserError(f"{KEY}={raw}: no such file or directory; allowed: {ALLOWED}")
+    if (path / SAFETENSORS).is_file() and not (path / "meta.json").exists():
+        return _from_export(path, state)
+    try:
+        info = find_checkpoint(path)
+    except UserError as e:
+        raise UserError(f"{KEY}={raw}: {e}") from None
+    kind = "converted" if "converted_from" in info.meta else "checkpoint"
+    return InitSource(info.path, kind, info.step, state, _digest(info.meta["files"]), info)
+
+
+def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
+    """The checked parent of a fresh (or restarted) run with trainer.init_from; None otherwise (a resume
+    continues the run's own checkpoints). Raises UserError, before anything is written, for a parent that
+    does not fit."""
+    if cfg.trainer.init_from is None or launch.mode not in ("fresh", "restart"):
+        return None
+    source = find(cfg)
+    model = meta_model(cfg)
+    new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        old = model_shapes(source.info) if source.info is not None else _export_shapes(source)
+    except CheckpointError as e:
+        raise UserError(f"{KEY}: {e} (nothing was written)") from None
+    if old != new:
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} here {new.get(changed[0], ABSENT)}"
+        raise UserError(
+            f"{KEY}={source.path}: another model shape ({len(changed)} tensors differ, e.g. {example}); "
+            "allowed: a parent whose model.* builds the same tensors (nothing was written)"
+        )
+    if source.state != InitState.weights:
+        _check_carried(source, cfg, model, world_size)
+    return source
+
+
+def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
+    """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
+    a branch a train state, a later trainer.steps and the same tokens per step."""
+    from trmoe.data.build import global_batch_tokens
+    from trmoe.optim.build import group_layout
+
+    info, state = source.info, source.state.value
+    if source.kind == "converted":
+        raise UserError(
+            f"trainer.init_state={state}: {source.path} is a converted checkpoint (no optimizer state, no "
+            "train state); allowed: weights"
+        )
+    stored = stored_config(info.meta)
+    if stored is None or group_layout(meta_model(stored), stored.optimizer) != group_layout(
+        model, cfg.optimizer
+    ):
+        raise UserError(
+            f"trainer.init_state={state}: the optimizer of {source.path} groups the parameters otherwise "
+            f"(optimizer.* differs); allowed: weights, or the parent's optimizer.name"
+        )
+    if not source.branch:
+        return
+    if cfg.trainer.steps <= source.step:
+        raise UserError(
+            f"trainer.steps={cfg.trainer.steps}: a branch goes on from the parent's step {source.step}; "
+            f"allowed: > {source.step}"
+        )
+    parent_batch = (info.meta.get("derived") or {}).get("global_batch_tokens")
+    ours = global_batch_tokens(cfg.trainer, world_size)
+    if parent_batch is not None and parent_batch != ours:
+        raise UserError(
+            f"trainer.init_state=branch: the parent trained {parent_batch} tokens per step, this run "
+            f"{ours}; allowed: the same (the data cursor counts samples by step)"
+        )
+    try:
+        local = load_local_state(info, 0)
+    except Exception as e:
+        raise UserError(
+            f"trainer.init_state=branch: {info.path}: no train state ({type(e).__name__})"
+        ) from None
+    if not isinstance(local, dict) or "step" not in local:
+        raise UserError(f"trainer.init_state=branch: {info.path} holds no train state; allowed: weights")
