@@ -256,6 +256,8 @@ def test_a_malformed_checkpoint_is_one_line_exit_2_and_nothing_written(tmp_path,
     assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
 def test_init_from_a_converted_checkpoint_starts_training(tmp_path):
     """trainer.init_from=<the converted run>: a new run from its weights (the converted run untouched); it
     holds no optimizer or train state, so only init_state=weights is allowed (one line, exit 2)."""
