@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trmoe.cli import Parser
 from trmoe.durable import json_text
+from trmoe.errors import UserError
 from trmoe.model.routing import STRATEGIES
 
 RESULTS = Path("bench") / "results.jsonl"  # TRMOE_RESULTS=<path> writes elsewhere
@@ -30,6 +32,42 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a whole number >= 1")
     return value
+
+
+def sorted_list(
+    cast: Callable[[str], float], ok: Callable[[float], bool], allowed: str
+) -> Callable[[str], list]:
+    """argparse type: 2+ comma-separated values, distinct and sorted, each passing `ok` (--widths 64,128)."""
+
+    def parse(text: str) -> list:
+        try:
+            values = sorted({cast(v) for v in text.split(",")})
+        except ValueError:
+            values = []
+        if len(values) < 2 or not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: 2+ comma-separated {allowed}")
+        return values
+
+    return parse
+
+
+def figure(tool: str, rows: int, cols: int, figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A headless matplotlib figure and its [rows, cols] axes, or one line naming the missing extra."""
+    from trmoe.report.plots import _pyplot, available
+
+    if not available():
+        raise UserError(f"{tool} --plot: needs matplotlib (pip install 'trmoe[report]'); allowed: no --plot")
+    return _pyplot().subplots(rows, cols, figsize=figsize, squeeze=False)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write a figure as PNG (its folder made) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def devices() -> list[str]:

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trmoe.bench.common import Parser, positive_int, record
-from trmoe.errors import UserError
+from trmoe.bench.common import Parser, figure, positive_int, record, save_figure, sorted_list
 
 PARAMETRIZATIONS = ("sp", "mup")
 DROPS = ("output", "attention", "init", "lr")
@@ -201,19 +200,12 @@ def coord_check(
 def plot(checks: list[CoordCheck], path: Path) -> None:
     """One row per parametrization, one panel per activation group: RMS vs width (log-log), one line per
     step and layer."""
-    from trmoe.report.plots import _pyplot, available
+    from matplotlib import colormaps
 
-    if not available():
-        raise UserError(
-            "coordcheck --plot: needs matplotlib (pip install 'trmoe[report]'); allowed: no --plot"
-        )
-    plt = _pyplot()
-    fig, axes = plt.subplots(
-        len(checks), len(GROUPS), figsize=(3.2 * len(GROUPS), 2.8 * len(checks)), squeeze=False
-    )
+    fig, axes = figure("coordcheck", len(checks), len(GROUPS), (3.2 * len(GROUPS), 2.8 * len(checks)))
     for row, check in zip(axes, checks, strict=True):
         steps = len(next(iter(check.rms.values())))
-        cmap = plt.get_cmap("viridis")
+        cmap = colormaps["viridis"]
         for ax, group in zip(row, GROUPS, strict=True):
             names = [k for k in check.rms if k.split(".")[0] == group]
             for name in names:
@@ -237,30 +229,16 @@ def plot(checks: list[CoordCheck], path: Path) -> None:
             ax.grid(alpha=0.3)
         row[0].set_ylabel("RMS", fontsize=8)
         row[0].legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _widths(text: str) -> list[int]:
-    import argparse
-
-    try:
-        values = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        values = []
-    if len(values) < 2 or any(v < 4 or v % 4 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"got {text!r}; allowed: 2+ comma-separated multiples of 4, e.g. 64,128,256"
-        )
-    return values
+widths_arg = sorted_list(int, lambda v: v >= 4 and v % 4 == 0, "multiples of 4, e.g. 64,128,256")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m trmoe.bench coordcheck", description=__doc__)
     parser.add_argument(
-        "--widths", type=_widths, default=list(WIDTHS), help="hidden sizes (default 64,128,256,512)"
+        "--widths", type=widths_arg, default=list(WIDTHS), help="hidden sizes (default 64,128,256,512)"
     )
     parser.add_argument("--steps", type=positive_int, default=4, help="forwards recorded (default 4)")
     parser.add_argument("--seeds", type=positive_int, default=1)

@@ -24,9 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trmoe.bench.common import Parser, positive_int, record
-from trmoe.bench.coordcheck import PARAMETRIZATIONS, _widths, overrides
-from trmoe.errors import UserError
+from trmoe.bench.common import Parser, figure, positive_int, record, save_figure, sorted_list
+from trmoe.bench.coordcheck import PARAMETRIZATIONS, overrides, widths_arg
 
 
 def compact_corpus(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,17 +127,10 @@ def mean_loss(results: list[dict], parametrization: str, width: int, lr: float) 
 def plot(
     results: list[dict], parametrizations: list[str], widths: list[int], lrs: list[float], path: Path
 ) -> None:
-    from trmoe.report.plots import _pyplot, available
+    from matplotlib import colormaps
 
-    if not available():
-        raise UserError(
-            "lrtransfer --plot: needs matplotlib (pip install 'trmoe[report]'); allowed: no --plot"
-        )
-    plt = _pyplot()
-    fig, axes = plt.subplots(
-        1, len(parametrizations), figsize=(5 * len(parametrizations), 3.8), squeeze=False
-    )
-    cmap = plt.get_cmap("viridis")
+    fig, axes = figure("lrtransfer", 1, len(parametrizations), (5 * len(parametrizations), 3.8))
+    cmap = colormaps["viridis"]
     for ax, p in zip(axes[0], parametrizations, strict=True):
         best = best_lrs(results, p, widths, lrs)
         for i, width in enumerate(widths):
@@ -156,29 +148,17 @@ def plot(
         ax.set_title(f"{p}: best lr per width (stars)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _lrs(text: str) -> list[float]:
-    import argparse
-
-    try:
-        values = sorted({float(v) for v in text.split(",")})
-    except ValueError:
-        values = []
-    if len(values) < 2 or not all(v > 0 and math.isfinite(v) for v in values):
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: 2+ comma-separated positive numbers")
-    return values
+lrs_arg = sorted_list(float, lambda v: 0 < v < math.inf, "positive numbers")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m trmoe.bench lrtransfer", description=__doc__)
-    parser.add_argument("--widths", type=_widths, default=[16, 32, 64, 128])
+    parser.add_argument("--widths", type=widths_arg, default=[16, 32, 64, 128])
     parser.add_argument(
-        "--lrs", type=_lrs, default=[1e-3 * 2**k for k in range(6)], help="default: 1e-3 x 2^k, k = 0..5"
+        "--lrs", type=lrs_arg, default=[1e-3 * 2**k for k in range(6)], help="default: 1e-3 x 2^k, k = 0..5"
     )
     parser.add_argument("--seeds", type=positive_int, default=2)
     parser.add_argument("--steps", type=positive_int, default=100)
