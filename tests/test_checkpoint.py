@@ -170,6 +170,43 @@ def test_a_latest_pointer_that_is_not_text_is_no_pointer(tmp_path):
     assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000001"
 
 
+def test_a_save_whose_latest_cannot_be_written_is_complete_and_says_so(tmp_path, caplog):
+    """`latest` replaced by a directory mid-run (the launch refuses it: test_launch.py): the checkpoint is
+    complete and verifies, so the save is no failure and never names itself as "still" the newest complete
+    one (151d5ed: "checkpoint at step 4 failed: ...; the newest complete checkpoint is still step_00000004").
+    A `latest` file that cannot be replaced is removed rather than left naming an older checkpoint."""
+    model, optimizer = _model_and_optimizer()
+    ckpts = tmp_path / "checkpoints"
+    store = CheckpointStore(ckpts, keep_last=0)
+
+    def state():
+        return {"model": model, "optimizer": optimizer, "local_state": {}, "meta": {}}
+
+    assert store.try_save(2, state)
+    (ckpts / "latest").unlink()
+    (ckpts / "latest").mkdir()
+    with caplog.at_level("WARNING", logger="trmoe"):
+        assert store.try_save(4, state)
+    assert "failed" not in caplog.text and "still" not in caplog.text, caplog.text
+    assert f"checkpoint step_00000004 is complete, but {ckpts / 'latest'} could not be made to" in caplog.text
+    assert store.last_saved == 4 and store.newest_good().step == 4
+    assert (ckpts / "latest").is_dir() and resolve_checkpoint(ckpts) == ckpts / "step_00000004"
+
+    (ckpts / "latest").rmdir()
+    (ckpts / "latest").write_text("step_00000004\n")
+    (ckpts / ".latest.partial").mkdir()  # the pointer's temporary name taken: `latest` cannot be replaced
+    assert store.try_save(6, state)
+    assert not (ckpts / "latest").exists() and resolve_checkpoint(ckpts) == ckpts / "step_00000006"
+
+    # checkpoints/ replaced by a file: a failed save, which names no checkpoint as the newest
+    shutil.rmtree(ckpts)
+    ckpts.write_text("not a directory")
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="trmoe"):
+        assert not store.try_save(8, state)
+    assert store.last_failure.endswith("; the newest complete checkpoint is none"), store.last_failure
+
+
 @pytest.mark.parametrize("fmt", ["torch", "dcp"])
 def test_model_shapes_are_read_without_loading_the_tensors(tmp_path, fmt):
     from trmoe.run.checkpoint import model_shapes

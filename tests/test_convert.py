@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 import torch
@@ -256,6 +257,20 @@ def test_a_malformed_checkpoint_is_one_line_exit_2_and_nothing_written(tmp_path,
     assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_the_load(tmp_path, tmpfs, capsys):
+    """A read-only place for the converted run directory: one line, exit 2 (a tool's output place, which
+    --out moves), not a traceback from the staging directory."""
+    from trmoe.convert import main
+
+    torch.save(_reference_checkpoint(_trmoe_model()), tmp_path / "checkpoint.pt")
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    assert main(["reference", str(tmp_path / "checkpoint.pt"), "--out", str(tmpfs / "x")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"trmoe: convert: --out {tmpfs / 'x'}: {tmpfs} is not writable; choose a new run directory where one "
+        "can be written"
+    ]
 
 
 def test_init_from_a_converted_checkpoint_starts_training(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -188,10 +189,15 @@ def test_help_lists_the_keys_and_their_defaults(tmp_path):
         assert key in result.stdout, key
 
 
-def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, tmpfs, capsys):
     from trmoe.eval.__main__ import main
 
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)  # a read-only place for the results
+    (tmp_path / "file").write_text("in the way")
+    task = [f"tasks=[{TASK}]", f"include_path={TASKS}"]
     cases = [
+        ([f"run={text_run}", *task, f"out={tmpfs}/r.json"], f"out={tmpfs}/r.json: {tmpfs} is not writable"),
+        ([f"run={text_run}", *task, f"out={tmp_path}/file/r.json"], f"{tmp_path}/file is a file, not a"),
         ([f"run={text_run}", "tasks=[no_such_task_xyz]"], "unknown task 'no_such_task_xyz'"),
         ([f"run={text_run}", "tasks=[arc_easy]"], "arc_easy: its data is not available offline"),
         ([f"run={tmp_path}", f"tasks=[{TASK}]", f"include_path={TASKS}"], "holds no checkpoint"),
@@ -204,7 +210,7 @@ def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, capsys):
         code = main(argv)
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and expected in lines[0], lines
-    assert not (tmp_path / "eval").exists()
+    assert not (tmp_path / "eval").exists() and list(tmpfs.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -168,9 +168,10 @@ def test_plain_safetensors_format(text_run, tmp_path):
 
 
 @pytest.mark.subprocess
-def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, capsys):
+def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, tmpfs, capsys):
     from trmoe.export.__main__ import main
 
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)  # a read-only place to export to
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("keep")
@@ -179,6 +180,7 @@ def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, capsys):
     cases = [
         ([str(text_run), "--out", str(taken)], "not empty"),
         ([str(text_run), "--out", str(a_file)], "is a file"),
+        ([str(text_run), "--out", str(tmpfs / "o")], f"--out {tmpfs / 'o'}: {tmpfs} is not writable"),
         ([str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "no such file"),
         ([str(text_run), "--out", str(tmp_path / "o"), "--step", "3"], "step=3"),
         ([str(text_run), "--out", str(tmp_path / "o"), "--format", "onnx"], "--format"),
@@ -190,5 +192,5 @@ def test_bad_input_is_one_line_and_writes_nothing(text_run, tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and expected in lines[0], lines
     result = run_cli([str(text_run)], cwd=tmp_path, module="trmoe.export")  # the real command line
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--out" in result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "taken"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "small", "taken"]
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]

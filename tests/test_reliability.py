@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import cli, compose_config, descendants, run_cli, text_documents, wait_until
+from helpers import child_env, cli, compose_config, descendants, python, run_cli, text_documents, wait_until
 from presets import DATA_FAST as FAST
 from presets import RELIABILITY_TINY as TINY
 
 from trmoe.durable import number
-from trmoe.errors import RunFailed, UserError
+from trmoe.errors import UserError
 from trmoe.run.lock import LOCK_FILE, RunLock, read_holder
 from trmoe.train.loop import train
 
@@ -264,20 +264,6 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
 # ------------------------------------------------------------------------------ full disk, read-only disk
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A real filesystem of 6 MiB that fills (tmpfs), unmounted afterwards; skipped where mount is refused."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def _leftovers(root: Path) -> list[str]:
     return sorted(
         str(p.relative_to(root))
@@ -339,15 +325,49 @@ def test_a_full_disk_at_launch_is_one_line_and_leaves_nothing_half_written(tmpfs
     assert _leftovers(tmpfs) == []
 
 
-def test_run_failed_is_exit_3_for_a_lock_that_cannot_be_made(tmp_path):
+@pytest.mark.subprocess
+def test_a_read_only_run_directory_is_exit_3_new_or_existing(tmpfs):
+    """One class, one code: the filesystem refusing the run directory is exit 3 (as any later write of the
+    run) whether Hydra makes the directory, the lock finds it, or the run exists already (the last case is
+    test_a_disk_that_fills_mid_run_then_read_only); 151d5ed said exit 2 for a new run directory."""
+    (tmpfs / "runs").mkdir()
+    (tmpfs / "empty").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    fresh = run_cli([*TINY, "run.name=new", "trainer.steps=1"], cwd=tmpfs)
+    assert fresh.returncode == 3, fresh.stderr[-3000:]
+    assert fresh.stderr.strip().splitlines() == [
+        "trmoe: cannot create the run directory runs/new: Read-only file system"
+    ]
+    made = python(
+        "-m",
+        "trmoe.train",
+        *TINY,
+        "trainer.steps=1",
+        cwd=tmpfs,
+        env=child_env(TRMOE_RUN_DIR=str(tmpfs / "empty")),
+    )
+    assert made.returncode == 3, made.stderr[-3000:]
+    assert made.stderr.strip().splitlines() == [
+        f"trmoe: cannot write the run directory {tmpfs / 'empty'}: Read-only file system "
+        f"({tmpfs / 'empty' / LOCK_FILE}); the newest complete checkpoint is none"
+    ]
+    assert sorted(p.name for p in tmpfs.rglob("*")) == ["empty", "runs"]
+
+
+def test_something_in_the_way_of_a_run_directory_is_exit_2_naming_it(tmp_path):
+    """Bad input (exit 2, nothing made), never the storage failure of exit 3: a file where the run directory
+    (or a folder above it) goes, a directory where its lock file goes."""
     (tmp_path / "runs").write_text("a file where the runs go")
-    with pytest.raises(RunFailed, match="cannot create the run directory"):
+    with pytest.raises(
+        UserError, match="cannot create the run directory .*x: a file is in the way \\(.*runs\\)"
+    ):
         RunLock(tmp_path / "runs" / "x").acquire()
     (tmp_path / "y" / LOCK_FILE).mkdir(parents=True)  # a .lock that is a directory is named as the cause
     with pytest.raises(
-        RunFailed, match=f"cannot lock the run directory .*y: .*y/{LOCK_FILE}: Is a directory"
+        UserError, match=f"cannot lock the run directory .*y: .*y/{LOCK_FILE}: Is a directory"
     ):
         RunLock(tmp_path / "y").acquire()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [LOCK_FILE, "runs", "y"]
 
 
 # -------------------------------------------------------------------------------- prepare, interrupted

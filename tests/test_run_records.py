@@ -146,6 +146,39 @@ def test_json_text_names_non_finite_numbers_and_number_reads_them_back():
     assert number(True) is None and number("3") is None and number(None) is None
 
 
+# json.dumps where its text is never a file or an output: a hash, a grouping key, a message, a comparison
+IN_MEMORY_JSON = {
+    "report/checks.py": "a config value flattened to a comparable string",
+    "train/init_from.py": "the hash of the parent's file records",
+    "data/build.py": "the hash of a data description",
+    "eval/lm.py": "a grouping key of the harness's requests",
+    "run/checkpoint.py": "meta.json as written before json_text (old seals verify), a message's excerpt",
+    "run/identity.py": "a JSON round trip of data_info into plain values, and the hash of the critical keys",
+}
+
+
+def test_every_json_writer_goes_through_json_text():
+    """The class, not the two files of the report: a JSON that trmoe writes (a file, stdout, a tracker)
+    comes from durable.json_text, never from json.dump(s), which writes bare NaN. 151d5ed wrote status.json
+    and meta.json with json.dumps; trmoe.bench lrtransfer --out (whose diverged learning rates have a NaN
+    loss) did until this test."""
+    import ast
+
+    import trmoe
+
+    package = Path(trmoe.__file__).parent
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and f.attr in ("dump", "dumps"):
+                if isinstance(f.value, ast.Name) and f.value.id == "json" and rel != "durable.py":
+                    found.add(rel)
+    assert sorted(found - set(IN_MEMORY_JSON)) == [], "write JSON with trmoe.durable.json_text"
+    assert sorted(set(IN_MEMORY_JSON) - found) == [], "no longer calls json.dumps: remove it from the list"
+
+
 # --------------------------------------------------------- a launch killed before its run_config.json
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -34,3 +35,15 @@ def require_directory(path: Path, option: str, allowed: str) -> None:
     if blocker is not None:
         where = "it" if blocker == path else str(blocker)
         raise UserError(f"{option} {path}: {where} is a file, not a directory; allowed: {allowed}")
+
+
+def require_writable(path: Path, name: str, allowed: str) -> None:
+    """UserError ("<name>: ...; <allowed>") unless the file `path` can be written: a file in the way of its
+    folder, or `path` (or its nearest existing folder) not writable (a read-only filesystem, for root too:
+    access(2) answers EROFS; no permission). Checked before a tool's work, whose result would else be lost."""
+    blocker = file_in_the_way(path.parent)
+    if blocker is not None:
+        raise UserError(f"{name}: {blocker} is a file, not a directory; {allowed}")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"{name}: {existing} is not writable; {allowed}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trmoe.bench.common import Parser, results_path
 from trmoe.cli import run
-from trmoe.errors import UserError, file_in_the_way
+from trmoe.errors import UserError, require_writable
 
 BENCHES = ("ffn", "dispatch", "loss", "step", "data", "decode", "coordcheck", "lrtransfer")
 
@@ -30,12 +30,7 @@ def check_results_path() -> Path:
     allowed = "allowed: a writable file path, e.g. TRMOE_RESULTS=results.jsonl"
     if path.is_dir():
         raise UserError(f"bench: {name} is a directory; {allowed}")
-    blocker = file_in_the_way(path.parent)
-    if blocker is not None:
-        raise UserError(f"bench: {name}: {blocker} is a file, not a directory; {allowed}")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        raise UserError(f"bench: {name}: {existing} is not writable; {allowed}")
+    require_writable(path, f"bench: {name}", allowed)
     return path
 
 

@@ -14,7 +14,6 @@ lr per width (seed-mean loss) and whether it moves, printed and written to --out
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import replace
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from trmoe.bench.common import Parser, figure, positive_int, record, save_figure, sorted_list
 from trmoe.bench.coordcheck import PARAMETRIZATIONS, overrides, widths_arg
+from trmoe.durable import json_text, write_file
 
 
 def compact_corpus(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"settings": settings, "wall_s": wall, "results": results, "summary": summary}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+        write_file(args.out, json_text(payload, indent=1) + "\n")  # a diverged lr's loss: "NaN", valid JSON
     if args.plot:
         plot(results, args.parametrization, args.widths, args.lrs, args.plot)
     record("lrtransfer", payload)

@@ -34,7 +34,7 @@ from trmoe import cli
 from trmoe.cli import Parser
 from trmoe.convert.checks import check_record, check_state
 from trmoe.durable import json_text, staged_dir, write_file
-from trmoe.errors import UserError
+from trmoe.errors import UserError, require_writable
 
 # The reference's strategy name -> the trmoe construction closest to it (only the placeholder's; see above).
 STRATEGY_NAMES = {
@@ -241,6 +241,7 @@ def convert_reference(checkpoint: str | Path, out: str | Path) -> Path:
     source, out = Path(checkpoint), Path(out)
     if out.exists():
         raise UserError(f"convert: --out {out}: already exists; choose a new run directory")
+    require_writable(out, f"convert: --out {out}", "choose a new run directory where one can be written")
     if not source.is_file():
         raise UserError(f"convert: {source}: no such file (a checkpoint.pt of the old runner)")
     try:

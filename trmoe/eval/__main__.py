@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trmoe.cli import run
 from trmoe.durable import json_text, write_file
-from trmoe.errors import UserError
+from trmoe.errors import UserError, require_writable
 from trmoe.run.rundir import RunDir
 
 
@@ -69,6 +69,8 @@ def _main(argv: list[str]) -> int:
     out = Path(tool.out) if tool.out else RunDir(info.path.parent.parent).eval_result(info.step)
     if out.exists():
         raise UserError(f"out={out}: exists (nothing is overwritten); allowed: a new file (out=...)")
+    # before the tasks run: a read-only run directory is one line, not a traceback after the evaluation
+    require_writable(out, f"out={out}", "allowed: a writable place for the results (out=FILE)")
     load_tasks(list(tool.tasks), tool.include_path)  # before the model: a bad task fails at once
     lm = TRMoELM(run=str(info.path), device=tool.device, dtype=tool.dtype, batch_size=tool.batch_size)
     start = time.perf_counter()
@@ -91,8 +93,11 @@ def _main(argv: list[str]) -> int:
         "n-samples": results.get("n-samples"),
         "versions": results.get("versions"),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_file(out, json_text(record, indent=2, default=str) + "\n", fsync=False)
+    try:  # a disk that filled during the evaluation
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file(out, json_text(record, indent=2, default=str) + "\n", fsync=False)
+    except OSError as e:
+        raise UserError(f"out={out}: cannot write ({e.strerror or e})") from None
     for task, figures in record["results"].items():
         shown = {k: v for k, v in figures.items() if isinstance(v, float)}
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))

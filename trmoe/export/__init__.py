@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from trmoe.durable import json_text, staged_dir
-from trmoe.errors import UserError, require_directory
+from trmoe.errors import UserError, require_directory, require_writable
 from trmoe.load import LoadedModel
 
 FORMATS = ("hf", "safetensors")
@@ -196,6 +196,7 @@ def check_out(out: Path, fmt: str) -> None:
     require_directory(out, "--out", "a new or empty directory")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--out {out}: not empty (nothing is overwritten); allowed: a new or empty directory")
+    require_writable(out, f"--out {out}", "allowed: a new or empty directory that can be written")
 
 
 def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:

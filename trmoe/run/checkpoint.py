@@ -382,9 +382,9 @@ class CheckpointStore:
             self.save(step, **state())
         except OSError as e:
             good = self.newest_good()
-            self.last_failure = (
-                f"{e}; the newest complete checkpoint is still {good.path.name if good else 'none'}"
-            )
+            # (a failure after the checkpoint was complete is no failed save: `_record_newest`)
+            newest = f"is still {good.path.name}" if good else "is none"
+            self.last_failure = f"{e}; the newest complete checkpoint {newest}"
             log.error("checkpoint at step %d failed: %s", step, self.last_failure)
             return False
         self.last_saved = step
@@ -508,10 +508,10 @@ class CheckpointStore:
                     write_file(tmp / META, seal_meta(record), atomic=False)
                     fsync_dir(tmp)
                     self._move_into_place(tmp, final)
-                    write_pointer(self.directory, final.name)
-                    self._prune()
                 except OSError as e:
                     failure = e
+                else:
+                    self._record_newest(final)
             _agree(failure)
         except BaseException as e:
             if self.rank == 0:
@@ -570,6 +570,31 @@ class CheckpointStore:
         else:
             os.rename(tmp, final)
             fsync_dir(self.directory)
+
+    def _record_newest(self, final: Path) -> None:
+        """After `final` is complete and in place: `latest` names it, older checkpoints are pruned. Neither
+        failing undoes the checkpoint (it verifies; every reader takes the newest that verifies when `latest`
+        is missing or no file), so each is a warning, never a failed save that would name this very
+        checkpoint as the newest complete one. A `latest` left naming an older one is removed: no reader
+        (trainer.resume=<run>, trmoe.eval, trmoe.sample) must be sent back to it."""
+        latest = self.directory / LATEST
+        try:
+            write_pointer(self.directory, final.name)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                if latest.is_file() and not latest.is_symlink():
+                    latest.unlink()
+            log.warning(
+                "checkpoint %s is complete, but %s could not be made to name it (%s): readers take the "
+                "newest checkpoint that verifies, which is this one",
+                final.name,
+                latest,
+                e.strerror or e,
+            )
+        try:
+            self._prune()
+        except OSError as e:
+            log.warning("checkpoint %s is complete; pruning older checkpoints failed (%s)", final.name, e)
 
     def _remove_leftovers(self) -> None:
         """Temporary directories of saves or prunes that a kill interrupted (rank 0, before a save); the

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from trmoe.durable import json_text, nofollow
 from trmoe.errors import RunFailed, UserError
+from trmoe.run import storage
 from trmoe.run.rundir import LOCK as LOCK_FILE
 from trmoe.run.rundir import RunDir
 
@@ -100,18 +101,20 @@ class RunLock:
         missing = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()]
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RunFailed(f"cannot create the run directory {self.run_dir}: {e.strerror}") from None
+        except OSError as e:  # read-only or full: exit 3; a file in the way: exit 2 (as when Hydra makes it)
+            raise storage.cannot_create(e, self.run_dir) from None
         self._made = missing
         while True:
             try:  # O_NOFOLLOW: the holder record must never be written through a link
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as e:  # named: a .lock that is a directory, or not writable, is the cause
+            except OSError as e:
                 if e.errno == errno.ELOOP:
                     refuse_links(self.run_dir)
-                raise RunFailed(
-                    f"cannot lock the run directory {self.run_dir}: {self.path}: {e.strerror} "
-                    "(the lock file must be a writable regular file)"
+                if storage.is_storage_error(e, self.run_dir):  # the run's storage line (exit 3), as later
+                    raise
+                raise UserError(  # named: a .lock that is a directory (or a fifo, ...) is the cause
+                    f"cannot lock the run directory {self.run_dir}: {self.path}: {e.strerror}; allowed: a "
+                    "regular file (remove it: the lock is made anew) (nothing was changed)"
                 ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

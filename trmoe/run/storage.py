@@ -1,9 +1,12 @@
 """When the run directory cannot be written: a full disk, a quota, a read-only filesystem, an I/O error.
 
-Such a failure ends the run with one line and exit code 3 (`RunFailed`), never a traceback: the line names
-the file and the newest complete checkpoint, `status.json` says failed (rewritten in place when there is no
-room for a new file: `trmoe.run.status.write_status`), and no temporary file is left behind. A failed
-periodic checkpoint is not such a failure: the run goes on (docs/reliability.md).
+Such a failure ends the run with one line and exit code 3 (`RunFailed`), never a traceback, wherever it
+is met: Hydra making the run directory, the lock, or any later write, of a new run or of one that exists.
+The line names the file and the newest complete checkpoint, `status.json` says failed (rewritten in place
+when there is no room for a new file: `trmoe.run.status.write_status`), and no temporary file is left
+behind. A failed periodic checkpoint is not such a failure: the run goes on (docs/reliability.md).
+Something of the wrong kind in the way (a file where the run directory or a folder above it goes, a
+directory where the lock file goes) is another class: bad input, exit 2, nothing made (`cannot_create`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import os
 import sys
 from pathlib import Path
 
-from trmoe.errors import RunFailed
+from trmoe.errors import RunFailed, UserError, file_in_the_way
 
 # a full disk or quota, a read-only or failing filesystem: whatever file it hit
 FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+# the filesystem refusing a write for lack of permission (a path of the run directory's own, see below)
+NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM})
 
 
 def is_storage_error(exc: BaseException, run_dir: Path) -> bool:
@@ -27,7 +32,7 @@ def is_storage_error(exc: BaseException, run_dir: Path) -> bool:
         return False
     if exc.errno in FULL_OR_READ_ONLY:
         return True
-    if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename is not None:
+    if exc.errno in NO_PERMISSION and exc.filename is not None:
         run = Path(run_dir).absolute()
         path = Path(str(exc.filename)).absolute()
         return path == run or run in path.parents
@@ -41,6 +46,19 @@ def failure(exc: OSError, run_dir: Path, newest: str | None) -> RunFailed:
         f"cannot write the run directory {run_dir}: {exc.strerror}{where}; the newest complete checkpoint "
         f"is {newest or 'none'}"
     )
+
+
+def cannot_create(exc: OSError, run_dir: Path) -> RunFailed | UserError:
+    """The one line of a run directory that cannot be made (by Hydra, or for its lock). The filesystem
+    refusing it (read-only, full, no permission, an I/O error) is a storage failure like any later write:
+    RunFailed, exit 3. A file in the way of the directory is bad input: UserError, exit 2 (nothing made)."""
+    blocker = file_in_the_way(run_dir)
+    if blocker is None and (exc.errno in FULL_OR_READ_ONLY or exc.errno in NO_PERMISSION):
+        return RunFailed(f"cannot create the run directory {run_dir}: {exc.strerror}")
+    if blocker is not None:
+        where = "" if blocker == run_dir else f" ({blocker})"
+        return UserError(f"cannot create the run directory {run_dir}: a file is in the way{where}")
+    return UserError(f"cannot create the run directory {run_dir}: {exc.strerror}")
 
 
 class LogFile(logging.FileHandler):

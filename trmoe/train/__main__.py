@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra composes)
 from trmoe.config.resolve import compose_error, to_config
 from trmoe.errors import RunFailed, UserError
-from trmoe.run import status
+from trmoe.run import status, storage
 from trmoe.run.signals import Preempted, hand_over
 
 _task_started = False
@@ -248,10 +248,11 @@ def _compose_and_run(argv: list[str]) -> int:
         if isinstance(e, BrokenPipeError):  # `--help | head`: the reader left; say nothing more
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141  # 128 + SIGPIPE, as a shell reports it
-        if isinstance(e, OSError) and e.filename is not None:  # Hydra making the run or sweep directory
-            why = "a file is in the way" if Path(str(e.filename)).is_file() else e.strerror
-            print(f"trmoe: cannot create the run directory {e.filename}: {why}", file=sys.stderr)
-            return 2
+        if isinstance(e, OSError) and e.filename is not None:  # Hydra making the run or sweep directory:
+            # read-only or full is exit 3 as at any later write, a file in the way 2 (trmoe.run.storage)
+            error = storage.cannot_create(e, Path(str(e.filename)))
+            print(f"trmoe: {error}", file=sys.stderr)
+            return error.exit_code
         raise
     finally:
         if not user_asked:
