@@ -499,6 +499,13 @@ def _validate_strategy(cfg: Config) -> None:
         )
     if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
         _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
+    if entry.analysis_only and cfg.downstream.tasks:
+        _fail(
+            "downstream.tasks",
+            list(cfg.downstream.tasks),
+            f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
+            "loss); allowed: [] (no downstream evaluation)",
+        )
     if r.frequencies and not entry.needs_frequencies:
         _fail(
             "routing.frequencies",

@@ -37,7 +37,9 @@ can feed the runner's torch draws and compare with its tables): ``random_shared`
 layer, labels per layer), ``balanced_hash_all_tuples`` (all E!/(E-K)! ordered tuples dealt over a random
 order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (a modulo primary and
 secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
-router is in trmoe/model/moe.py). ``REGISTRY`` is the one list of strategies: the config schema, its
+router is in trmoe/model/moe.py), nor have ``bigram_hash``, ``prev_token_hash``, ``position_hash`` and
+``oracle_future_hash``: they hash another key of each position on the fly
+(trmoe/model/context_routing.py). ``REGISTRY`` is the one list of strategies: the config schema, its
 validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
@@ -387,8 +389,8 @@ class TableArgs:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One routing strategy: its construction (None: a learned router, no table) and what docs/routing.md
-    tabulates about it."""
+    """One routing strategy: its construction (None: no table, a learned router or a hashed key) and what
+    docs/routing.md tabulates about it."""
 
     build: Callable[[TableArgs], np.ndarray] | None
     balance: str  # of token ids per expert and slot
@@ -397,10 +399,36 @@ class Strategy:
     origin: str  # the old runner's name for the same construction, or what it is new to
     needs_frequencies: bool = False  # reads routing.frequencies (token counts of the training split)
     nested_k: bool = True  # the K = 2 table is the first two rows of the K = 4 table
+    # what a position routes on (trmoe.model.context_routing.KEY_KINDS): "token" (its input id, through the
+    # table), or a key hashed on the fly (no table: build is None); None: a learned router (the hidden state)
+    key: str | None = "token"
+    analysis_only: bool = False  # routes on what inference does not have (the target): loss forwards only
 
     @property
     def learned(self) -> bool:
-        return self.build is None
+        return self.key is None
+
+    @property
+    def hashed(self) -> bool:
+        """Routes hashed on the fly from a route key (trmoe.model.context_routing), no table."""
+        return self.key is not None and self.key != "token"
+
+    @property
+    def has_table(self) -> bool:
+        return self.build is not None
+
+
+def _hashed(key: str, what: str, analysis_only: bool = False) -> Strategy:
+    """A strategy routed on a key hashed per batch (trmoe.model.context_routing): affine_hash's formula."""
+    return Strategy(
+        None,
+        "statistical (of keys)",
+        "partition and labels",
+        "8",
+        f"Roller et al. 2021; routes on {what}",
+        key=key,
+        analysis_only=analysis_only,
+    )
 
 
 REGISTRY: dict[str, Strategy] = {
@@ -469,20 +497,25 @@ REGISTRY: dict[str, Strategy] = {
         "12",
         "the engine's `token_id_multi_hash`",
     ),
+    "bigram_hash": _hashed("bigram", "the (previous id, id) pair, hashed on the fly"),
+    "prev_token_hash": _hashed("prev", "the previous token id only, hashed on the fly"),
+    "position_hash": _hashed("position", "the position in the row only (content-free control)"),
+    "oracle_future_hash": _hashed(
+        "target", "the target (next) token id: analysis only, loss forwards only", analysis_only=True
+    ),
     "learned": Strategy(
         None,
         "by the auxiliary loss (per batch)",
         "a router per layer, trained",
         "input-dependent",
         "`--mlp-type learned_router` (a linear router, softmax, top-K)",
+        key=None,
     ),
 }
 
 ALL_STRATEGIES: tuple[str, ...] = tuple(REGISTRY)  # every value routing.strategy takes
 # the strategies with a route table that need nothing but the sizes and the seed
-STRATEGIES: tuple[str, ...] = tuple(
-    n for n, s in REGISTRY.items() if not s.learned and not s.needs_frequencies
-)
+STRATEGIES: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.has_table and not s.needs_frequencies)
 MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
 
 
@@ -520,8 +553,8 @@ def build_route_table(
         strategy, vocab_size, num_experts, top_k, layer, seed, hash_count
     )
     entry = REGISTRY[name]
-    if entry.learned:
-        raise ValueError(f"routing strategy {name!r} is a learned router: it has no route table")
+    if not entry.has_table:
+        raise ValueError(f"routing strategy {name!r} has no route table (a learned router or a hashed key)")
     if entry.needs_frequencies:
         if frequencies is None:
             raise ValueError(f"routing strategy {name!r} needs a token-frequency table (routing.frequencies)")
@@ -623,7 +656,7 @@ def groups_by_tuple(
     by expert; so does the frequency-balanced secondary, whose greedy pass uses more tuples than experts
     (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
     entry = REGISTRY[getattr(strategy, "value", strategy)]
-    if entry.learned or entry.needs_frequencies:
+    if not entry.has_table or entry.needs_frequencies:
         return False
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None
