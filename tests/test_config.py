@@ -49,6 +49,14 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
 
         np.save(tmp_path / "token_counts.npy", np.arange(200_019, dtype=np.int64) % 5)
         overrides.append(f"routing.frequencies={tmp_path}")
+    if (group, option) in (("routing", "clustered_hash"), ("routing", "dispersed_hash")):  # a real embedding
+        import numpy as np
+
+        np.save(
+            tmp_path / "embedding.npy",
+            np.random.default_rng(0).standard_normal((200_019, 4), dtype=np.float32),
+        )
+        overrides.append(f"routing.embedding={tmp_path / 'embedding.npy'}")
     if (group, option) == ("data", "text"):
         overrides.append("data.text_path=/some/corpus.txt")
     if (group, option) in (("data", "tokens"), ("data", "fineweb")):

@@ -233,3 +233,83 @@ def test_kill_9_then_resume_of_a_bigram_run_is_bit_exact(tmp_path):
     train_in_process(run_dir, *RESUME_BIGRAM)
     assert "=== resume from step 4 " in (run_dir / "train.log").read_text()
     assert_same_run(run_dir, baseline)
+
+
+def _checkpoint_payload(run_dir: Path) -> Path:
+    from trmoe.run.checkpoint import read_pointer
+
+    return run_dir / "checkpoints" / read_pointer(run_dir / "checkpoints") / "model_optim.pt"
+
+
+def test_clustered_and_dispersed_tables_on_a_trained_embedding(oracle_run):
+    """The embedding of a trained run (its checkpoint file): clustered_hash gives similar ids (one k-means
+    cluster; nearest neighbours) the same expert more often than chance 1/E, dispersed_hash ids of one
+    cluster less often (the fewest possible); both are balanced in ids exactly. (Nearest neighbours under
+    dispersed_hash are at chance on an embedding trained 2 steps: the deal within a cluster is by id.)"""
+    from trmoe.model.embedding_routing import clusters, load_embedding
+    from trmoe.model.routing import route_counts
+
+    source = _checkpoint_payload(oracle_run)
+    experts = 4
+    cluster = clusters(str(source), VOCAB, experts, 0)
+    emb = load_embedding(source, VOCAB)
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    sim = unit @ unit.T
+    np.fill_diagonal(sim, -2)
+    neighbour = sim.argmax(1)
+    same = cluster[:, None] == cluster[None, :]
+    np.fill_diagonal(same, False)
+    share = {}
+    for strategy in ("clustered_hash", "dispersed_hash"):
+        table = build_route_table(strategy, VOCAB, experts, 2, 1, 0, embedding=str(source)).long()
+        counts = route_counts(table, experts)
+        assert int(counts.max() - counts.min()) <= 1  # every slot balanced in ids
+        primary = table[0].numpy()
+        pairs = primary[:, None] == primary[None, :]
+        share[strategy] = (pairs[same].mean(), (primary == primary[neighbour]).mean())
+        # a new layer relabels the experts, the partition stays
+        other = build_route_table(strategy, VOCAB, experts, 2, 2, 0, embedding=str(source))[0].numpy()
+        assert np.array_equal(pairs, other[:, None] == other[None, :])
+    print(f"P(same expert | same cluster, nearest neighbour), chance {1 / experts}: {share}")
+    assert share["clustered_hash"][0] > 0.8 and share["clustered_hash"][1] > 1.5 / experts
+    # dispersed: each cluster's ids dealt evenly over the experts, the fewest same-expert pairs there can be
+    sizes = np.bincount(cluster, minlength=experts)
+    fewest = sum(
+        (
+            (n // experts) * (n // experts - 1) * (experts - n % experts)
+            + (n // experts + 1) * (n // experts) * (n % experts)
+        )
+        for n in sizes
+    ) / sum(n * (n - 1) for n in sizes)
+    assert share["dispersed_hash"][0] == pytest.approx(fewest) and fewest < 1 / experts
+
+
+def test_embedding_source_is_recorded_and_bad_sources_are_one_line(oracle_run, tmp_path):
+    import hashlib
+    import json
+
+    from helpers import cli
+
+    source = _checkpoint_payload(oracle_run)
+    run_dir = tmp_path / "clustered"
+    train_in_process(run_dir, "routing=clustered_hash", f"routing.embedding={source}", "trainer.steps=1")
+    record = json.loads((run_dir / "run_config.json").read_text())["route_embedding"]
+    assert record["path"] == str(source.resolve()) and record["rows"] == VOCAB
+    assert record["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    np.save(tmp_path / "flat.npy", np.zeros(VOCAB, dtype=np.float32))
+    np.save(tmp_path / "short.npy", np.zeros((VOCAB - 1, 8), dtype=np.float32))
+    cases = [
+        ((), "dispersed_hash needs a [V, H] token embedding"),
+        ((f"routing.embedding={tmp_path / 'nope.npy'}",), "no such file"),
+        ((f"routing.embedding={tmp_path / 'flat.npy'}",), "2-D float array"),
+        ((f"routing.embedding={tmp_path / 'short.npy'}",), f"{VOCAB - 1} rows for model.vocab_size={VOCAB}"),
+    ]
+    for extra, expected in cases:
+        with pytest.raises(UserError, match="routing.embedding") as e:
+            to_config(compose_config(*RESUME_BASE, "routing=dispersed_hash", *extra))
+        assert expected in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="only read by clustered_hash"):
+        to_config(compose_config(*RESUME_BASE, f"routing.embedding={source}"))
+    result = cli([*RESUME_BASE, "routing=clustered_hash", "run.name=bad"], cwd=tmp_path)  # the real command
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "routing.embedding" in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -200,6 +200,7 @@ class RoutedExperts(nn.Module):
                 spec.route_seed,
                 spec.hash_count,
                 freq,
+                spec.route_embedding,
             )
         self.register_buffer("route_table", table)
         ids_dtype = table.dtype if table is not None else torch.int64
