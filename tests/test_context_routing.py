@@ -313,3 +313,36 @@ def test_embedding_source_is_recorded_and_bad_sources_are_one_line(oracle_run, t
     result = cli([*RESUME_BASE, "routing=clustered_hash", "run.name=bad"], cwd=tmp_path)  # the real command
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "routing.embedding" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_plan_reports_the_table_balance_of_ids_and_occurrences(oracle_run, tmp_path):
+    import json
+
+    from helpers import cli
+
+    counts = np.arange(VOCAB, dtype=np.int64) ** 2  # very uneven occurrences
+    np.save(tmp_path / "token_counts.npy", counts)
+    base = [f"model.vocab_size={VOCAB}", "--json"]
+
+    def plan(*overrides: str) -> dict:
+        done = cli([*base, *overrides], tmp_path, module="trmoe.plan")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["routing"]
+
+    freq = plan(
+        "routing=frequency_balanced_secondary", f"routing.frequencies={tmp_path / 'token_counts.npy'}"
+    )
+    table = build_route_table("frequency_balanced_secondary", VOCAB, 4, 2, 0, 0, frequencies=counts)
+    ids = np.bincount(table[0].long().numpy(), minlength=4)
+    assert freq["ids"]["primary_max_over_mean"] == pytest.approx(ids.max() / ids.mean())
+    primary = np.bincount(table[0].long().numpy(), weights=counts, minlength=4)
+    assert freq["occurrences"]["primary_max_over_mean"] == pytest.approx(primary.max() / primary.mean())
+    assert freq["occurrences"]["primary_max_over_mean"] > freq["ids"]["primary_max_over_mean"]
+    clustered = plan("routing=clustered_hash", f"routing.embedding={_checkpoint_payload(oracle_run)}")
+    assert clustered["ids"]["primary_max_over_mean"] == pytest.approx(1.0, abs=1 / VOCAB * 4)
+    oracle = plan("routing=oracle_future_hash")
+    assert oracle["analysis_only"] and oracle["ids"] is None
+    text = cli(
+        [f"model.vocab_size={VOCAB}", "routing=oracle_future_hash"], tmp_path, module="trmoe.plan"
+    ).stdout
+    assert "analysis only" in text

@@ -631,8 +631,11 @@ def load_token_counts(path: str) -> np.ndarray:
     return counts.astype(np.int64)
 
 
-def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert."""
+def route_counts(
+    table: torch.Tensor, num_experts: int, weights: np.ndarray | torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert; with
+    ``weights`` (one per token id, e.g. its occurrences in the training split) their sum instead."""
     import torch
 
     if table.dim() != 2:
@@ -644,17 +647,24 @@ def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
         raise ValueError(f"route table holds expert ids outside 0..{experts - 1}")
     counts = torch.zeros((table.shape[0], experts), dtype=torch.int64)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    w = (
+        torch.ones_like(ids)
+        if weights is None
+        else torch.as_tensor(weights, dtype=torch.int64).expand_as(ids)
+    )
+    counts.scatter_add_(1, ids, w)
     return counts
 
 
-def balance_stats(table: torch.Tensor, num_experts: int) -> dict[str, float]:
+def balance_stats(
+    table: torch.Tensor, num_experts: int, weights: np.ndarray | torch.Tensor | None = None
+) -> dict[str, float]:
     """Per-layer balance figures: ``primary_max_over_mean`` and ``primary_min_over_mean`` (counts of
     slot 0 against their mean V/E), ``all_max_over_mean`` and ``all_min_over_mean`` (counts of all
-    K slots summed, against their mean K*V/E)."""
+    K slots summed, against their mean K*V/E); of token occurrences with ``weights`` (route_counts)."""
     import torch
 
-    counts = route_counts(table, num_experts).to(torch.float64)
+    counts = route_counts(table, num_experts, weights).to(torch.float64)
     primary = counts[0]
     total = counts.sum(dim=0)
     p_mean = float(primary.mean())
