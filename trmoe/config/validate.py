@@ -484,15 +484,10 @@ def frequencies_path(cfg: Config) -> Path | None:
 
 
 def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
-    """routing.embedding: given exactly when the strategy reads it, a readable [V, H] token embedding."""
+    """routing.embedding: where the strategy reads it, a readable [V, H] token embedding (the others ignore
+    it: one grid sets it for all its arms)."""
     source = cfg.routing.embedding
     if not needed:
-        if source:
-            _fail(
-                "routing.embedding",
-                source,
-                f"only read by clustered_hash and dispersed_hash (strategy: {name})",
-            )
         return
     allowed = "a [V, H] token embedding: a .npy, .pt or .safetensors file, or a trmoe export dir"
     if not source:
