@@ -348,3 +348,11 @@ def test_plan_reports_the_table_balance_of_ids_and_occurrences(oracle_run, tmp_p
         [f"model.vocab_size={VOCAB}", "routing=oracle_future_hash"], tmp_path, module="trmoe.plan"
     ).stdout
     assert "analysis only" in text
+
+
+def test_the_report_marks_an_oracle_arm_analysis_only(oracle_run):
+    from trmoe.report.compare import group_arms
+    from trmoe.report.runs import load_runs
+
+    (arm,) = group_arms(load_runs([oracle_run]))
+    assert arm.label.endswith(" (analysis only)")
