@@ -9,8 +9,8 @@ exactly ``V = model.vocab_size``, or ``V`` plus fewer than 256 padding rows (a t
 model.vocab_pad_multiple), which are dropped.
 
 Clusters: the rows scaled to unit length (cosine geometry), ``E`` k-means centroids
-(scipy.cluster.vq.kmeans2, k-means++ initialisation, 20 iterations, seeded by
-``mix32(routing.seed ^ 0x5EEDC1A5)``): one clustering per (embedding, E, seed), shared by the layers.
+(scipy.cluster.vq.kmeans2, k-means++ initialisation, 20 iterations, its generator seeded by
+``(routing.seed mod 2^32, 0x5EEDC1A5)``): one clustering per (embedding, E, seed), shared by the layers.
 """
 
 from __future__ import annotations
@@ -102,10 +102,8 @@ def clusters(path: str, vocab_size: int, num_experts: int, seed: int) -> np.ndar
 def _clusters(path: str, _mtime: int, _size: int, vocab_size: int, num_experts: int, seed: int) -> np.ndarray:
     from scipy.cluster.vq import kmeans2
 
-    from trmoe.model.routing import mix32
-
     rows = load_embedding(path, vocab_size).astype(np.float64)
     rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-    rng = np.random.default_rng(mix32(mix32(seed) ^ _CLUSTER_SALT))
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, _CLUSTER_SALT])
     _, labels = kmeans2(rows, num_experts, iter=20, minit="++", seed=rng)
     return labels.astype(np.int64)
