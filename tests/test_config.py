@@ -180,8 +180,8 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (["arm=topk/nope"], "Could not find 'arm/topk/nope'; allowed: topk/dense, topk/k1, topk/k2_p050,"),
         (
             ["arm=nope"],
-            "allowed: attention_matched/..., hash_vs_learned/..., roller_hash_table/..., routing_ablation/..., "
-            "topk/...",
+            "allowed: attention_matched/..., hash_vs_learned/..., roller_hash_table/..., "
+            "routing_ablation/..., topk/...",
         ),
         (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
         (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),
