@@ -6,6 +6,8 @@ resolution (resolve: validates, then solves the match) both build on it without 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trmoe.config.schema import Config
 from trmoe.config.validate import frequencies_path, kv_heads
 from trmoe.model.routing import REGISTRY
@@ -24,6 +26,14 @@ def _route_frequencies(cfg: Config) -> str | None:
         return None
     path = frequencies_path(cfg)
     return str(path) if path is not None else None
+
+
+def _route_embedding(cfg: Config) -> str | None:
+    """routing.embedding as an absolute path (read where the model is built), for the strategies that read
+    it."""
+    if not REGISTRY[cfg.routing.strategy.value].needs_embedding or not cfg.routing.embedding:
+        return None
+    return str(Path(cfg.routing.embedding).expanduser().absolute())
 
 
 def mup_fields(cfg: Config) -> dict:
@@ -76,5 +86,6 @@ def model_spec(cfg: Config) -> ModelSpec:
         norm_eps=m.norm_eps,
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
+        route_embedding=_route_embedding(cfg),
         **mup_fields(cfg),
     )

@@ -483,6 +483,27 @@ def frequencies_path(cfg: Config) -> Path | None:
     return None
 
 
+def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
+    """routing.embedding: where the strategy reads it, a readable [V, H] token embedding (the others ignore
+    it: one grid sets it for all its arms)."""
+    source = cfg.routing.embedding
+    if not needed:
+        return
+    allowed = "a [V, H] token embedding: a .npy, .pt or .safetensors file, or a trmoe export dir"
+    if not source:
+        _fail("routing.embedding", source, f"{name} needs {allowed}")
+    try:
+        import scipy.cluster.vq  # noqa: F401  (its k-means)
+    except ImportError:
+        _fail("routing.strategy", name, "needs scipy (pip install 'trmoe[report]')")
+    from trmoe.model.embedding_routing import load_embedding
+
+    try:
+        load_embedding(Path(source).expanduser().absolute(), cfg.model.vocab_size)
+    except ValueError as e:
+        _fail("routing.embedding", source, str(e))
+
+
 def _validate_strategy(cfg: Config) -> None:
     """What a routing strategy needs (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
@@ -499,6 +520,14 @@ def _validate_strategy(cfg: Config) -> None:
         )
     if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
         _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
+    if entry.analysis_only and cfg.downstream.tasks:
+        _fail(
+            "downstream.tasks",
+            list(cfg.downstream.tasks),
+            f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
+            "loss); allowed: [] (no downstream evaluation)",
+        )
+    _validate_embedding(cfg, name, entry.needs_embedding)
     if r.frequencies and not entry.needs_frequencies:
         _fail(
             "routing.frequencies",
