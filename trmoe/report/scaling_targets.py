@@ -22,6 +22,7 @@ class Target:
     D: float  # tokens
     C: float  # training FLOPs
     kappa: float
+    params: dict | None = None  # its parameter counts (total, active, embedding, non_embedding)
 
 
 def target(profile: str, *, tokens_per_param: float = TOKENS_PER_PARAM, seq_len: int = 2048) -> Target:
@@ -36,4 +37,4 @@ def target(profile: str, *, tokens_per_param: float = TOKENS_PER_PARAM, seq_len:
     N = params.active - params.embedding
     D = tokens_per_param * N
     C = float(flops_per_token(spec, params, seq_len)) * D
-    return Target(profile, N, D, C, C / (N * D))
+    return Target(profile, N, D, C, C / (N * D), params.to_dict())
