@@ -32,6 +32,12 @@ VOCAB, SEQ, LAYERS = 512, 256, 4
 SAMPLES = 30
 
 
+def ACCURACY(loss):  # noqa: N802  (a planted law, as CONTROL): acc/toy of a run of this final loss
+    from trmoe.report.accuracy_fit import sigmoid
+
+    return sigmoid(loss, 0.5, 4.0, 3.1, 0.25)
+
+
 def _params(hidden: int) -> tuple[dict, dict]:
     n = 12 * LAYERS * hidden * hidden
     embedding = VOCAB * hidden
@@ -42,8 +48,9 @@ def _params(hidden: int) -> tuple[dict, dict]:
 
 
 def write_run(path: Path, *, arm: str, rung: int, seed: int, role: str, tokens: int, loss: float,
-              data: str = "random", parent: str | None = None) -> None:  # fmt: skip
-    """One finished ladder run as trmoe.train writes it: 4 steps, `tokens` trained, final eval `loss`."""
+              data: str = "random", parent: str | None = None, acc: dict | None = None) -> None:  # fmt: skip
+    """One finished ladder run as trmoe.train writes it: 4 steps, `tokens` trained, final eval `loss`, and
+    downstream accuracies `acc` ({"acc/<task>": value} at the final step, as downstream.tasks logs them)."""
     path.mkdir(parents=True)
     params, spec = _params(HIDDEN[rung])
     config = {"trainer": {"steps": 4, "seed": seed, "seq_len": SEQ}, "data": {"source": data}}
@@ -54,10 +61,11 @@ def write_run(path: Path, *, arm: str, rung: int, seed: int, role: str, tokens: 
     record.update(total_tokens=tokens, ladder=ladder)
     (path / "run_config.json").write_text(json.dumps(record))
     (path / "status.json").write_text(json.dumps({"status": "finished", "final_eval_loss": loss}))
-    lines = ["step,tokens,train_loss,eval_loss"]
-    lines += [
-        f"{s},{tokens * s // 4},{loss + 0.1 * (4 - s)},{'nan' if s < 4 else repr(loss)}" for s in (1, 2, 3, 4)
-    ]
+    acc = acc or {}
+    lines = [",".join(["step", "tokens", "train_loss", "eval_loss", *acc])]
+    for s in (1, 2, 3, 4):
+        final = [repr(v) if s == 4 else "nan" for v in (loss, *acc.values())]
+        lines.append(",".join([str(s), str(tokens * s // 4), repr(loss + 0.1 * (4 - s)), *final]))
     (path / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
@@ -90,8 +98,10 @@ def fabricate(root: Path) -> Path:
             for ratio in ratios:
                 loss = float(law.loss(n, ratio * n)) if law else 3.0
                 loss *= math.exp(rng.normal(0, 0.005 if law else 0.01))
+                acc = {"acc/toy": float(ACCURACY(loss)) + rng.normal(0, 0.002), "acc/flat": 0.25}
+                acc = acc if arm in ("dense", "hash") else None
                 write_run(sweep / str(next(job)), arm=arm, rung=rung, seed=0, role="branch", tokens=ratio * n,
-                          loss=loss, data=data, parent=stable.name)  # fmt: skip
+                          loss=loss, data=data, parent=stable.name, acc=acc)  # fmt: skip
     # the hash arm's extra branch at the smallest rung diverged: left out, listed
     write_run(sweep / str(next(job)), arm="hash", rung=0, seed=0, role="branch", tokens=80 * _n(0),
               loss=math.nan, parent="0")  # fmt: skip
@@ -173,7 +183,7 @@ def test_each_honesty_check_fires(report):
         r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "stable run" in r["note"]
     ]
     assert len(stable) == 5  # the control's stable runs: every one was branched
-    assert "Downstream accuracy" in md and "Not fitted: no fit point recorded a downstream accuracy" in md
+    assert "- `acc/flat`: not fitted: the accuracy does not vary over the runs." in md
 
 
 def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
@@ -211,18 +221,22 @@ def test_the_plots_exist(report, tmp_path):
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
-def test_downstream_accuracy_is_fitted_through_the_loss(tmp_path):
-    """Two-step (loss -> accuracy): a planted sigmoid of the loss in acc/<task> columns is recovered and
-    the target's accuracy predicted; a sweep without them says it is not fitted (above)."""
-    from trmoe.report.accuracy_fit import fit_accuracy, sigmoid
+def test_downstream_accuracy_is_fitted_through_the_loss(report):
+    """Two-step (loss -> accuracy): the planted sigmoid of acc/toy is recovered from the dense and hash arms'
+    runs, and each target's accuracy is the sigmoid at its predicted loss; too few runs: not fitted."""
+    from trmoe.report.accuracy_fit import fit_accuracy, predict_interval
 
-    rng = np.random.default_rng(3)
-    L = np.linspace(2.5, 4.5, 12)
-    acc = sigmoid(L, 0.6, 3.0, 3.4, 0.25) + rng.normal(0, 0.003, L.size)
-    fit = fit_accuracy("acc/toy", L, acc)
-    assert fit.reason == "" and fit.params[2] == pytest.approx(3.4, abs=0.1)
-    assert fit.predict(2.0) == pytest.approx(float(sigmoid(2.0, 0.6, 3.0, 3.4, 0.25)), abs=0.02)
-    assert "too few runs" in fit_accuracy("acc/toy", L[:5], acc[:5]).reason
+    sweep, rep = report
+    (toy,) = [f for f in rep.scaling.accuracy if f.column == "acc/toy"]
+    assert toy.reason == "" and toy.points == 2 * 5 * 3
+    for loss in (2.8, 3.1, 3.4):
+        assert toy.predict(loss) == pytest.approx(float(ACCURACY(loss)), abs=0.01)
+    hash_arm = next(a for a in rep.scaling.arms if a.name == "hash")
+    est, low, high = predict_interval(toy, hash_arm.predictions["1b"])
+    assert low < est < high and est == pytest.approx(float(ACCURACY(hash_arm.predictions["1b"][0])), abs=0.01)
+    line = next(x for x in (sweep / REPORT_MD).read_text().splitlines() if x.startswith("- `acc/toy`"))
+    assert f"`hash` at `1b`: {est:.3g}" in line and "over 30 runs" in line
+    assert "too few runs" in fit_accuracy("acc/toy", [3.0] * 5, [0.3] * 5).reason
 
 
 @pytest.mark.parametrize(
