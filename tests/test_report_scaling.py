@@ -77,7 +77,7 @@ def fabricate(root: Path) -> Path:
     """The sweep of the module docstring; its control is named as a grid names it (multirun.yaml)."""
     sweep = root / "sweep"
     sweep.mkdir(parents=True)
-    hydra = {"callbacks": {"report": {"control": "dense"}}, "sweeper": {"params": {}}}
+    hydra = {"callbacks": {"report": {"control": "arm=dense"}}, "sweeper": {"params": {}}}
     (sweep / "multirun.yaml").write_text(json.dumps({"hydra": hydra}))
     rng = np.random.default_rng(0)
     job = iter(range(1000))

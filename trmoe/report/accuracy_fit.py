@@ -1,5 +1,6 @@
-"""Step 2 of the two-step downstream prediction (OLMo's model ladder, Bhagia et al. 2024): task accuracy
-as a sigmoid of the held-out loss, fitted over the ladder's runs with scipy.optimize.curve_fit:
+"""Step 2 of the two-step downstream prediction (OLMo's model ladder, Bhagia et al. 2024, arXiv 2412.04403):
+task accuracy as a sigmoid of the loss, fitted over the ladder's runs with scipy.optimize.curve_fit. OLMo's
+loss is the task's own; downstream.tasks records accuracies only, so here it is the held-out loss:
 
     Acc(L) = b + a / (1 + exp(k · (L − L0)))      a > 0, k > 0: accuracy rises as the loss falls
 

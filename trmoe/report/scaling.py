@@ -142,7 +142,12 @@ def analyse(
             for name, ps in by_arm.items()]  # fmt: skip
     names = {r.name: r for r in ladder_runs}
     members = [[names[p.run] for p in a.points] for a in arms]
-    choices = [ReportArm(a.name, _shared_overrides(m), m) for a, m in zip(arms, members, strict=True)]
+    # the ladder's arm is the job's `arm` choice: a control named "arm=<grid>/<arm>" matches it even where a
+    # branch directory holds no Hydra overrides of its own
+    choices = [
+        ReportArm(a.name, {"arm": a.name, **_shared_overrides(m)}, m)
+        for a, m in zip(arms, members, strict=True)
+    ]
     chosen, note = pick_control(choices, control) if choices else (None, "no usable run")
     ctrl = arms[choices.index(chosen)] if chosen is not None else None
     targets = [target(t, tokens_per_param=opts.tokens_per_param) for t in opts.targets]
