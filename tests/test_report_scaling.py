@@ -86,7 +86,7 @@ def fabricate(root: Path) -> Path:
         "hash": (BETTER, RATIOS, "random", 5),
         "flat": (None, RATIOS, "random", 3),
         "two_rungs": (CONTROL, RATIOS, "random", 2),
-        "other_budgets": (BETTER, (10, 20, 30), "random", 5),
+        "other_budgets": (BETTER, (10, 20, 30), "random", 3),
         "other_data": (BETTER, RATIOS, "text", 5),
     }
     for arm, (law, ratios, data, rungs) in arms.items():
@@ -170,8 +170,10 @@ def test_each_honesty_check_fires(report):
         assert all(r["estimate"] == "" for r in _scaling(sweep, "multiplier", arm))
     budgets = _scaling(sweep, "multiplier", "other_budgets")
     assert budgets and all(
-        r["estimate"] == "" and "differ in 10 (rung, tokens) cells" in r["note"] for r in budgets
+        r["estimate"] == "" and "differ in 12 (rung, tokens) cells" in r["note"] for r in budgets
     )
+    (back,) = _scaling(sweep, "backtest", "other_budgets")  # 3 rungs: a fit of the smaller 2 cannot be
+    assert back["estimate"] == "" and back["note"].startswith("not fitted: too few rungs (2 sizes")
     data = _scaling(sweep, "multiplier", "other_data")
     assert data and all(r["estimate"] == "" and r["note"] == "not compared: the arms' runs were trained on "
                         "other data (config `data`)" for r in data)  # fmt: skip
@@ -203,7 +205,7 @@ def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
         assert float(row["scaling.L"]) == L or (math.isnan(L) and row["scaling.L"] == "nan")
         if row["scaling.fit_point"] == "yes":
             points.setdefault(record["ladder"]["arm"], []).append((N, D, L))
-    assert sum(map(len, points.values())) == 4 * 5 * 3 + 3 * 3 + 2 * 3
+    assert sum(map(len, points.values())) == 3 * 5 * 3 + 2 * 3 * 3 + 2 * 3
     for arm in ("dense", "hash"):
         law = sl.fit(*zip(*points[arm], strict=True)).law
         fits = {r["what"]: float(r["estimate"]) for r in _scaling(sweep, "fit", arm)}

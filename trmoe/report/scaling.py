@@ -28,6 +28,7 @@ from trmoe.report.scaling_targets import DEFAULT_TARGETS, TOKENS_PER_PARAM, Targ
 from trmoe.report.summary import Summary
 
 Est = tuple[float, float, float]  # estimate, low, high of a 95% interval
+FLOOR = "; k = inf: the arm's loss is below the control law's floor E (no compute reaches it)"
 
 
 @dataclass(frozen=True)
@@ -281,8 +282,11 @@ def rows(s: Scaling) -> list[dict]:
             d = s.decades(arm, t.C)
             add("prediction", arm.name, "loss", t.name, t.C, d, arm.predictions[t.name], _flag(s, d))
         b = arm.backtest
-        note = b.reason or ("covered" if b.covered else "NOT covered") + f"; measured {b.measured:.6g}"
-        add("backtest", arm.name, "loss", f"N={b.N:.6g}", e=(b.predicted, b.low, b.high), note=note)
+        if b.reason:
+            add("backtest", arm.name, "loss", f"N={b.N:.6g}", note=f"not fitted: {b.reason}")
+        else:
+            note = ("covered" if b.covered else "NOT covered") + f"; measured {b.measured:.6g}"
+            add("backtest", arm.name, "loss", f"N={b.N:.6g}", e=(b.predicted, b.low, b.high), note=note)
     for arm in s.arms:
         if s.control is None or arm is s.control:
             continue
@@ -303,7 +307,7 @@ def rows(s: Scaling) -> list[dict]:
                 C,
                 d,
                 (c.k[i], c.low[i], c.high[i]),
-                f"{_flag(s, d)}; {paired}",
+                f"{_flag(s, d)}; {paired}" + (FLOOR if np.isinf(c.k[i]) else ""),
             )
     return out
 
