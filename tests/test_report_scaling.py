@@ -256,3 +256,19 @@ def test_bad_scaling_options_are_one_line_and_write_nothing(tmp_path, args, need
     assert result.returncode == 2 and needle in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert sorted(p.name for p in run.iterdir()) == before and not (tmp_path / "sweep" / REPORT_MD).exists()
+
+
+def test_targets_are_counted_inside_a_running_hydra_app():
+    """The sweep's report callback runs inside the train app's Hydra: the targets' composition sets it
+    aside and puts it back (before: "GlobalHydra is already initialized", and no sweep report)."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from trmoe.report.scaling_targets import target
+
+    with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
+        running = GlobalHydra.instance().hydra
+        assert target("tiny").N > 0
+        assert GlobalHydra.instance().hydra is not None and GlobalHydra.instance().is_initialized()
+        assert type(GlobalHydra.instance().hydra) is type(running)
+    assert not GlobalHydra.instance().is_initialized()
