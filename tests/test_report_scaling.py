@@ -105,6 +105,10 @@ def fabricate(root: Path) -> Path:
     # the hash arm's extra branch at the smallest rung diverged: left out, listed
     write_run(sweep / str(next(job)), arm="hash", rung=0, seed=0, role="branch", tokens=80 * _n(0),
               loss=math.nan, parent="0")  # fmt: skip
+    # and one whose final metrics.csv row was cut short by a kill mid-write: no fit point
+    cut = sweep / str(next(job))
+    write_run(cut, arm="hash", rung=1, seed=0, role="branch", tokens=80 * _n(1), loss=3.0, parent="4")
+    (cut / "metrics.csv").write_text((cut / "metrics.csv").read_text()[:-4])
     return sweep
 
 
@@ -181,6 +185,13 @@ def test_each_honesty_check_fires(report):
         r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "diverged" in r["note"]
     ]
     assert diverged["arm"] == "hash" and f"{diverged['at']}: diverged" in md  # listed in report.md
+    (cut,) = [
+        r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "truncated" in r["note"]
+    ]
+    assert cut["note"].startswith(
+        "records disagree: metrics.csv ends at step 3, but status.json says finished"
+    )
+    assert f"{cut['at']}: records disagree" in md
     stable = [
         r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "stable run" in r["note"]
     ]
@@ -195,6 +206,9 @@ def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
     points: dict[str, list] = {}
     for row in _rows(sweep / REPORT_CSV):
         record = json.loads((Path(row["path"]) / "run_config.json").read_text())
+        if not (Path(row["path"]) / "metrics.csv").read_text().endswith("\n"):  # the cut one: no figures
+            assert row["scaling.D"] == "" and row["scaling.fit_point"].startswith("records disagree")
+            continue
         with open(Path(row["path"]) / "metrics.csv", newline="") as f:
             last = list(csv.DictReader(f))[-1]
         p, spec = record["params"], record["model_spec"]
