@@ -328,8 +328,11 @@ def markdown(s: Scaling) -> list[str]:
         "docs/scaling.md says how to read it."
     )
     if s.excluded:
-        lines += ["", f"Left out of the fits ({len(s.excluded)}): "
-                  + "; ".join(f"{p.run}: {p.excluded}" for p in s.excluded) + "."]  # fmt: skip
+        by_reason: dict[str, list[str]] = {}
+        for p in s.excluded:
+            by_reason.setdefault(p.excluded, []).append(p.run)
+        lines += ["", f"Left out of the fits ({len(s.excluded)}):", ""]
+        lines += [f"- {', '.join(runs)}: {why}" for why, runs in by_reason.items()]
     table = rows(s)
     fit_title = "Fits per arm (γ: the frontier's exponent, L* = E + G·(C/κ)^−γ)"
     back_title = "Backtest: the largest rung predicted from the others"
