@@ -21,8 +21,7 @@ from helpers import cli
 from trmoe.model.flops import flops_terms
 from trmoe.report import scaling_laws as sl
 from trmoe.report.build import REPORT_CSV, REPORT_MD, SCALING_CSV, build_report
-from trmoe.report.ladder import kappa_at
-from trmoe.report.scaling import Options
+from trmoe.report.ladder import Options, kappa_at
 
 CONTROL = sl.Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022, approach 3
 BETTER = sl.Law(E=1.69, A=406.4 * 0.7, B=410.7, alpha=0.34, beta=0.28)

@@ -26,8 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trmoe.config.resolve import group_options
+from trmoe.errors import UserError
 from trmoe.report.integrity import assess, value_at
 from trmoe.report.runs import Run
+from trmoe.report.scaling_targets import DEFAULT_TARGETS, TOKENS_PER_PARAM
 from trmoe.report.summary import Summary, flops_per_token
 from trmoe.run.status import FINISHED
 
@@ -40,6 +43,29 @@ N_KINDS = {
     "total": "all parameters (every expert, the embedding)",
 }
 DEFAULT_N = "non_embedding_active"
+
+
+@dataclass(frozen=True)
+class Options:
+    n_kind: str = DEFAULT_N
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    tokens_per_param: float = TOKENS_PER_PARAM
+    samples: int = 100  # bootstrap replicates (a standard error needs a few dozen)
+    seed: int = 0
+
+
+def parse_scaling(n_kind: str, targets: str) -> Options:
+    """--scaling-n and --scaling-targets, checked before anything is read or written."""
+    if n_kind not in N_KINDS:
+        raise UserError(f"report: --scaling-n {n_kind}: allowed: {', '.join(N_KINDS)}")
+    names = tuple(t.strip() for t in targets.split(",") if t.strip())
+    allowed = [o for o in group_options("model") if not o.endswith("/...")]
+    if not names or set(names) - set(allowed):
+        raise UserError(
+            f"report: --scaling-targets {targets}: allowed: model profiles, comma-separated "
+            f"({', '.join(allowed)})"
+        )
+    return Options(n_kind=n_kind, targets=names)
 
 
 def n_of(params: dict, kind: str) -> float | None:
