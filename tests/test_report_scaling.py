@@ -285,3 +285,16 @@ def test_targets_are_counted_inside_a_running_hydra_app():
         assert GlobalHydra.instance().hydra is not None and GlobalHydra.instance().is_initialized()
         assert type(GlobalHydra.instance().hydra) is type(running)
     assert not GlobalHydra.instance().is_initialized()
+
+
+def test_a_ladder_whose_runs_are_all_left_out_says_so(tmp_path):
+    """Every run diverged: no fit, no plot, and the section lists them (no crash on an empty ladder)."""
+    sweep = tmp_path / "sweep"
+    for i in range(2):
+        write_run(
+            sweep / str(i), arm="dense", rung=i, seed=0, role="branch", tokens=10 * _n(i), loss=math.nan
+        )
+    rep = build_report([sweep], scaling=Options(targets=("tiny",)))
+    md = (sweep / REPORT_MD).read_text()
+    assert "Left out of the fits (2):" in md and "### Fits per arm" not in md
+    assert not [p for p in rep.plots if p.name.startswith("scaling_")]
