@@ -298,3 +298,15 @@ def test_a_ladder_whose_runs_are_all_left_out_says_so(tmp_path):
     md = (sweep / REPORT_MD).read_text()
     assert "Left out of the fits (2):" in md and "### Fits per arm" not in md
     assert not [p for p in rep.plots if p.name.startswith("scaling_")]
+
+
+def test_the_n_of_each_kind_and_the_options_that_choose_it():
+    from trmoe.report.ladder import N_KINDS, n_of, parse_scaling
+
+    counts = {"total": 1000, "active": 400, "embedding": 100, "non_embedding": 900}
+    assert {k: n_of(counts, k) for k in N_KINDS} == {
+        "non_embedding_active": 300, "active": 400, "non_embedding": 900, "total": 1000,
+    }  # fmt: skip
+    assert n_of({"total": 1}, "active") is None  # a record without the counts: no N
+    options = parse_scaling("active", " 8b,tiny ")
+    assert (options.n_kind, options.targets) == ("active", ("8b", "tiny"))
