@@ -40,6 +40,7 @@ DELTA = 1e-3  # Huber threshold on log-loss residuals (Hoffmann et al. 2022)
 BOUNDS = (1e-3, 3.0)  # α, β: an exponent at a bound is not identified by the data
 MIN_RUNGS = 3  # distinct N: fewer cannot separate E from A/N^α
 MIN_POINTS = 7  # five parameters, and at least two degrees of freedom left
+MIN_SEEDS = 3  # whole seeds resampled from 3 on: 2 give 3 distinct resamples, no standard error
 EXTRAPOLATION_DECADES = 1.0  # a target more than this many decades of compute beyond the data is flagged
 
 
@@ -193,12 +194,12 @@ class Groups:
 
 
 def resampling_units(seeds, cells) -> Groups:
-    """Whole seeds when every cell (rung x budget) holds >= 2 distinct seeds, else single runs."""
+    """Whole seeds when every cell (rung x budget) holds >= MIN_SEEDS distinct seeds, else single runs."""
     seeds, cells = np.asarray(seeds), [tuple(c) for c in cells]
     per_cell: dict[tuple, set] = {}
     for s, c in zip(seeds, cells, strict=True):
         per_cell.setdefault(c, set()).add(s)
-    if per_cell and min(len(v) for v in per_cell.values()) >= 2:
+    if per_cell and min(len(v) for v in per_cell.values()) >= MIN_SEEDS:
         return Groups([np.flatnonzero(seeds == s) for s in sorted(set(seeds.tolist()))])
     return Groups([np.array([i]) for i in range(len(seeds))])
 
@@ -241,7 +242,7 @@ class Arm:
     D: np.ndarray
     L: np.ndarray
     seeds: np.ndarray
-    kappa: float
+    kappa: float | np.ndarray  # one κ, or each run's C_i / (N_i D_i)
 
     def __post_init__(self):
         self.N, self.D, self.L = (np.asarray(v, dtype=float) for v in (self.N, self.D, self.L))
@@ -275,11 +276,13 @@ class Comparison:
 
 
 def compare(
-    control: Arm, arm: Arm, C, *, samples: int = 100, seed: int = 0, level: float = 0.95
+    control: Arm, arm: Arm, C, *, kappa=None, samples: int = 100, seed: int = 0, level: float = 0.95
 ) -> Comparison:
     """k(C) of `arm` against `control` (module docstring) and its bootstrap interval. Paired when both
-    resample whole seeds and share them (the same seeds drawn for both)."""
+    resample whole seeds and share them (the same seeds drawn for both). `kappa`: (κ_control, κ_arm) at
+    each C (arrays, or scalars), default the arms' own κ; an arm's κ may be per run (its largest C_i)."""
     C = np.atleast_1d(np.asarray(C, dtype=float))
+    kappa = kappa or (control.kappa, arm.kappa)
     nan = np.full(C.shape, np.nan)
     seen = max(float(np.max(a.kappa * a.N * a.D)) for a in (control, arm))
     decades = np.log10(C / seen)
@@ -288,7 +291,7 @@ def compare(
         which = "control" if not fits[0].ok else "arm"
         reason = f"{which}: {(fits[0] if which == 'control' else fits[1]).reason}"
         return Comparison(C, nan, nan, nan, *fits, reason=reason, decades=decades)
-    k = multiplier(fits[0].law, fits[1].law, C, control.kappa, arm.kappa)
+    k = multiplier(fits[0].law, fits[1].law, C, *kappa)
     units = control.units, arm.units
     by_seed = [len(u.units) < len(a.L) for a, u in zip((control, arm), units, strict=True)]
     paired = all(by_seed) and set(control.seeds.tolist()) == set(arm.seeds.tolist())
@@ -300,7 +303,7 @@ def compare(
     ]
     values = np.array(
         [
-            multiplier(c, a, C, control.kappa, arm.kappa)
+            multiplier(c, a, C, *kappa)
             for c, a in zip(reps[0].laws, reps[1].laws, strict=True)
             if c is not None and a is not None
         ]
