@@ -99,19 +99,22 @@ def exported(text_run, tmp_path_factory) -> Path:
 # idle at the end. Longest first, the short files fill in around the long ones.
 LONGEST_FIRST = (
     "test_scaling_laws.py",
+    "test_downstream.py",
+    "test_train.py",
+    "test_eval.py",
+    "test_mixture.py",
     "test_resume.py",
     "test_submitit_local.py",
-    "test_slurm.py",
+    "test_learned_router.py",
+    "test_doc_commands.py",
+    "test_export.py",
+    "test_distributed.py",
     "test_trackers.py",
     "test_reliability.py",
-    "test_distributed.py",
-    "test_downstream.py",
-    "test_eval.py",
-    "test_export.py",
-    "test_mixture.py",
-    "test_wheel.py",
+    "test_slurm.py",
     "test_experiments.py",
-    "test_train.py",
+    "test_resume_world.py",
+    "test_wheel.py",
 )
 
 
