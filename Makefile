@@ -12,6 +12,8 @@ ARGS ?=
 # Test processes (pytest-xdist; `auto` = one per core). Each test file runs whole in one process, so a file's
 # module fixtures are built once; TEST_WORKERS=0 runs everything in this process. `make test` runs every tier
 # (CI's); ARGS='-m "not slow and not subprocess"' is the quick local one (tests/README.md).
+# --no-loadscope-reorder: the files start in the order tests/conftest.py gives them (the longest first), not
+# pytest-xdist's (the most tests first), so a long file does not start last with the other core idle.
 TEST_WORKERS ?= auto
 
 .PHONY: install train test lint clean
@@ -28,7 +30,7 @@ train: $(STAMP)
 	$(PY) -m trmoe.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trmoe tests

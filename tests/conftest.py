@@ -108,10 +108,39 @@ def exported(text_run, tmp_path_factory) -> Path:
     return export(load_model(text_run), tmp_path_factory.mktemp("export") / "hf")
 
 
+# The test files that take longest on two workers, longest first (the per-file figures: docs/performance.md,
+# "The test suite's wall time"). `make test` hands files to its workers in collection order
+# (--no-loadscope-reorder); without it pytest-xdist starts the files with the most tests first, so a long file
+# of few tests (the scaling-law coverage, the SLURM and submitit jobs) started last and left the other core
+# idle at the end. Longest first, the short files fill in around the long ones.
+LONGEST_FIRST = (
+    "test_scaling_laws.py",
+    "test_downstream.py",
+    "test_train.py",
+    "test_eval.py",
+    "test_mixture.py",
+    "test_resume.py",
+    "test_submitit_local.py",
+    "test_learned_router.py",
+    "test_doc_commands.py",
+    "test_export.py",
+    "test_distributed.py",
+    "test_trackers.py",
+    "test_reliability.py",
+    "test_slurm.py",
+    "test_experiments.py",
+    "test_resume_world.py",
+    "test_wheel.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """The tiers (markers registered in pyproject.toml): `@pytest.mark.slow` runs everywhere (CI included;
     `-m "not slow"` leaves it out locally); `@pytest.mark.slow(opt_in="why")` runs only with
-    TRMOE_SLOW_TESTS=1; `@pytest.mark.gpu` is skipped, saying so, without a CUDA device."""
+    TRMOE_SLOW_TESTS=1; `@pytest.mark.gpu` is skipped, saying so, without a CUDA device. The files are put
+    in LONGEST_FIRST's order (a stable sort: each file's own order, and the other files', is kept)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if not torch.cuda.is_available():
         for item in items:
             if item.get_closest_marker("gpu") is not None:

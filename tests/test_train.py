@@ -23,42 +23,27 @@ from trmoe.train.loop import train
 SMALL_VOCAB = ["data=random", "model.vocab_size=512"]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, float]:
-    run_dir = tmp_path_factory.mktemp("run") / "r"
-    final = train(
-        compose_config(
-            *FAST,
-            "trainer.steps=40",
-            "trainer.eval_every=20",
-            "trainer.log_every=10",
-            "trainer.eval_batches=1",
-        ),
-        run_dir,
-    )  # one held-out batch per evaluation: each is a pass over the o200k head, and one shows the fall
-    return run_dir, final
-
-
-def test_loss_decreases_and_the_app_returns_the_final_eval_loss(trained):
-    run_dir, final = trained
-    rows = metrics_rows(run_dir)
+def test_loss_decreases_on_the_o200k_vocabulary(text_run):
+    """conftest's session run (TEXT_RUN: the tiny model, o200k ids, 60 steps on four sentences), trained once
+    for this file, sample, export and eval: an untrained model is uniform over the vocabulary, and the loss
+    falls by more than 2 nats."""
+    rows = metrics_rows(text_run)
     evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"] != "nan"]
-    assert [s for s, _ in evals] == [0, 20, 40]
+    assert [s for s, _ in evals] == [0, 60]  # trainer.eval_every=0: the first and the last step
     start = evals[0][1]
     assert start == pytest.approx(math.log(200_019), abs=0.1)  # untrained: uniform over the vocabulary
     assert evals[-1][1] < start - 2.0, evals
-    assert final == pytest.approx(evals[-1][1], rel=1e-5)
     train_losses = [float(r["train_loss"]) for r in rows if r["train_loss"] != "nan"]
     assert train_losses[-1] < train_losses[0] - 2.0
 
 
-def test_run_directory_holds_every_record(trained):
-    run_dir, _ = trained
+def test_run_directory_holds_every_record(text_run):
+    run_dir = text_run
     for name in (".hydra/config.yaml", "train.log", "run_config.json", "metrics.csv", "checkpoints/latest"):
         assert (run_dir / name).is_file(), name
     rc = json.loads((run_dir / "run_config.json").read_text())
     assert rc["schema_version"] == 1
-    assert rc["tokens_per_step"] == 4 * 64 and rc["total_tokens"] == 40 * 4 * 64
+    assert rc["tokens_per_step"] == 4 * 32 and rc["total_tokens"] == 60 * 4 * 32
     assert rc["params"]["total"] == 12_924_484 and rc["params"]["active"] < rc["params"]["total"]
     assert rc["world_size"] == 1 and rc["backend"]["device"] == "cpu"
     assert rc["backend"]["process_group"] is None and rc["backend"]["cpu"] == rc["backend"]["device_name"]
@@ -66,24 +51,31 @@ def test_run_directory_holds_every_record(trained):
         names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
         assert not names or rc["backend"]["cpu"] == names[0].split(":", 1)[1].strip()
     assert rc["config"]["model"]["name"] == "tiny" and rc["model_spec"]["num_kv_heads"] == 2
-    assert rc["data"]["source"] == "embedded" and rc["data"]["tokenizer"] == "o200k_base"
+    assert rc["data"]["source"] == "text" and rc["data"]["tokenizer"] == "o200k_base"
     assert "commit" in rc["git"]
     with open(run_dir / "metrics.csv") as f:
         assert tuple(next(csv.reader(f))) == METRIC_COLUMNS
     steps = [int(r["step"]) for r in metrics_rows(run_dir)]
-    assert steps == [0, 1, 10, 20, 30, 40]
+    assert steps == [0, 1, 20, 40, 60]
     assert all(float(r["tok_s"]) > 0 for r in metrics_rows(run_dir)[1:])
     ckpt = load_checkpoint(run_dir / "checkpoints")
-    assert ckpt["step"] == 40 and "blocks.0.ffn.routed.route_table" in ckpt["model"]
+    assert ckpt["step"] == 60 and "blocks.0.ffn.routed.route_table" in ckpt["model"]
     assert "run directory" in (run_dir / "train.log").read_text()
 
 
 def test_same_config_gives_identical_metrics(tmp_path):
     # (the embedded corpus's own determinism: tests/test_data.py)
-    run = [*FAST, *SMALL_VOCAB, "trainer.steps=6", "trainer.log_every=1"]
+    run = [*FAST, *SMALL_VOCAB, "trainer.steps=6", "trainer.log_every=1", "trainer.eval_every=4"]
     a = train(compose_config(*run), tmp_path / "a")
     b = train(compose_config(*run), tmp_path / "b")
     assert a == b
+    # the app returns the final held-out loss; evaluations every 4 steps, and at steps 0 and last
+    evals = [
+        (int(r["step"]), float(r["eval_loss"]))
+        for r in metrics_rows(tmp_path / "a")
+        if r["eval_loss"] != "nan"
+    ]
+    assert [s for s, _ in evals] == [0, 4, 6] and a == pytest.approx(evals[-1][1], rel=1e-5)
     loss_columns = ("train_loss", "train_objective", "eval_loss", "grad_norm")
     rows_a, rows_b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert [[r[c] for c in loss_columns] for r in rows_a] == [[r[c] for c in loss_columns] for r in rows_b]
@@ -136,13 +128,17 @@ def test_objective_reports_ce_separately_from_smoothing_and_z_loss(tmp_path):
 
 def test_existing_run_directory_is_never_overwritten(tmp_path):
     # (tests/test_resume*.py and tests/test_launch.py cover resume, restart and run.overwrite in depth)
-    cfg = compose_config(*FAST, "trainer.steps=1")
-    train(cfg, tmp_path / "r")
+    cfg = compose_config(*FAST, "trainer.steps=1", "trainer.eval_batches=1")
+    train(cfg, tmp_path / "r")  # the default data: the embedded corpus in o200k ids
+    assert json.loads((tmp_path / "r" / "run_config.json").read_text())["data"]["source"] == "embedded"
     before = (tmp_path / "r" / "metrics.csv").read_bytes()
     from trmoe.errors import UserError
 
     with pytest.raises(UserError, match="already holds a run"):
-        train(compose_config(*FAST, "trainer.steps=1", "trainer.resume=never"), tmp_path / "r")
+        train(
+            compose_config(*FAST, "trainer.steps=1", "trainer.eval_batches=1", "trainer.resume=never"),
+            tmp_path / "r",
+        )
     assert (tmp_path / "r" / "metrics.csv").read_bytes() == before
     # trainer.resume=auto (the default): the run is complete, nothing is trained or written
     train(cfg, tmp_path / "r")
@@ -229,7 +225,12 @@ def test_a_device_without_float64_gets_no_float64_tensor(tmp_path, monkeypatch):
             return out
 
     cfg = compose_config(
-        *FAST, "trainer.steps=4", "trainer.log_every=2", "trainer.eval_every=2", "telemetry.moe=true"
+        *FAST,
+        *SMALL_VOCAB,
+        "trainer.steps=4",
+        "trainer.log_every=2",
+        "trainer.eval_every=2",
+        "telemetry.moe=true",
     )
     with Float64Outputs():
         train(cfg, tmp_path / "r")
@@ -301,7 +302,7 @@ def test_a_failed_run_with_the_progress_bar_leaves_no_log_handler_behind(tmp_pat
 
     monkeypatch.setattr(Scheduler, "begin_step", failing)
     with pytest.raises(RuntimeError, match="a fault in step 2"):
-        train(compose_config(*FAST, "trainer.steps=3", "run.progress=bar"), tmp_path / "failed")
+        train(compose_config(*FAST, *SMALL_VOCAB, "trainer.steps=3", "run.progress=bar"), tmp_path / "failed")
     gc.collect()  # a redirect left open restores its saved handlers when collected
     files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     assert not any("failed" in name for name in files), files
