@@ -5,6 +5,7 @@ cannot)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -238,14 +239,22 @@ def test_ctrl_c_and_a_closed_terminal_stop_at_a_step_boundary_like_sigterm(tmp_p
 
 
 @pytest.mark.subprocess
+def _maps_name(pid: int, name: str) -> bool:
+    """Whether the process has a shared object whose path contains `name` mapped (Linux /proc)."""
+    try:
+        return name in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
     """Ctrl-C while the app loads (imports, composition, the run's set-up) and before any checkpoint: one
     line, exit 130, no traceback, no (empty) run directory, no "resumes from its checkpoint" hint."""
     run_dir = tmp_path / "runs" / "r"
     for when in ("imports", "set-up"):  # Python loading the app; the run directory made, no step yet
         proc = _spawn([*TINY, "run.name=r", "trainer.steps=100000"], tmp_path)
-        if when == "imports":
-            time.sleep(0.3)
+        if when == "imports":  # the child has started loading its libraries (libyaml: under hydra's imports)
+            wait_until(functools.partial(_maps_name, proc.pid, "_yaml"), "the imports", proc)
         else:
             wait_until(run_dir.exists, "the run directory", proc)
         proc.send_signal(signal.SIGINT)
