@@ -125,6 +125,17 @@ def metrics_rows(run_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def cached_logits(model, ids: torch.Tensor, chunks: list[int], pad=None) -> torch.Tensor:
+    """The logits of `ids` decoded through a KV cache, `chunks` positions at a time (they sum to the length)."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1], pad)
+    out, start = [], 0
+    for n in chunks:
+        out.append(model.logits(model(ids[:, start : start + n], cache)))
+        start += n
+    assert start == ids.shape[1] and cache.length == start
+    return torch.cat(out, dim=1)
+
+
 def wait_until(
     condition: Callable[[], bool], what: str, proc: subprocess.Popen, seconds: float = 120
 ) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_run, compose_config, drive, train_in_process
+from helpers import assert_same_run, cached_logits, compose_config, drive, train_in_process
 from presets import RESUME_BASE
 
 from trmoe.config.resolve import to_config
@@ -119,15 +119,6 @@ def test_oracle_routes_depend_only_on_the_target():
     assert model(ids, targets=targets).shape == (*ids.shape, model.spec.hidden_size)
 
 
-def _cached_logits(model: TRMoETransformer, ids: torch.Tensor, chunks: list[int], pad=None) -> torch.Tensor:
-    cache = model.new_cache(ids.shape[0], ids.shape[1], pad)
-    out, start = [], 0
-    for n in chunks:
-        out.append(model.logits(model(ids[:, start : start + n], cache)))
-        start += n
-    return torch.cat(out, dim=1)
-
-
 @pytest.mark.parametrize("strategy", SAMPLED)
 def test_kv_cache_gives_the_full_forward_logits(strategy):
     model = _model(strategy)
@@ -135,8 +126,7 @@ def test_kv_cache_gives_the_full_forward_logits(strategy):
     with torch.no_grad():
         full = model.logits(model(ids))
         worst = max(
-            (_cached_logits(model, ids, chunks) - full).abs().max().item()
-            for chunks in ([1] * 30, [7, 1, 22])
+            (cached_logits(model, ids, chunks) - full).abs().max().item() for chunks in ([1] * 30, [7, 1, 22])
         )
         # a left-padded row decodes as it would alone: its first real token has no previous token
         short = ids[:1, :9]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import cli, compose_config
+from helpers import cached_logits, cli, compose_config
 from presets import FAST_CPU, TRAINING_SENTENCES
 
 from trmoe.config.resolve import to_config
@@ -27,16 +27,6 @@ def _model(*overrides: str) -> TRMoETransformer:
     return model
 
 
-def _cached_logits(model: TRMoETransformer, ids: torch.Tensor, chunks: list[int], pad=None) -> torch.Tensor:
-    cache = model.new_cache(ids.shape[0], ids.shape[1], pad)
-    out, start = [], 0
-    for n in chunks:
-        out.append(model.logits(model(ids[:, start : start + n], cache)))
-        start += n
-    assert start == ids.shape[1] and cache.length == start
-    return torch.cat(out, dim=1)
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -52,7 +42,7 @@ def test_kv_cache_gives_the_full_forward_logits_at_every_position(overrides):
         full = model.logits(model(ids))
         worst = 0.0
         for chunks in ([1] * 40, [7, 1, 1, 13, 18], [40]):  # token by token, prefill + steps, one prefill
-            diff = (_cached_logits(model, ids, chunks) - full).abs().max().item()
+            diff = (cached_logits(model, ids, chunks) - full).abs().max().item()
             worst = max(worst, diff)
     print(f"KV cache vs full forward, fp32, {overrides}: max abs logit difference {worst:.2e}")
     assert worst < 1e-4

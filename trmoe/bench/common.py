@@ -53,21 +53,19 @@ def sorted_list(
 
 def figure(tool: str, rows: int, cols: int, figsize: tuple[float, float]) -> tuple[Any, Any]:
     """A headless matplotlib figure and its [rows, cols] axes, or one line naming the missing extra."""
-    from trmoe.report.plots import _pyplot, available
+    from trmoe.report.plots import available, pyplot
 
     if not available():
         raise UserError(f"{tool} --plot: needs matplotlib (pip install 'trmoe[report]'); allowed: no --plot")
-    return _pyplot().subplots(rows, cols, figsize=figsize, squeeze=False)
+    return pyplot().subplots(rows, cols, figsize=figsize, squeeze=False)
 
 
 def save_figure(fig: Any, path: Path) -> None:
     """Write a figure as PNG (its folder made) and free it."""
-    import matplotlib.pyplot as plt
+    from trmoe.report.plots import save
 
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def devices() -> list[str]:

@@ -22,7 +22,7 @@ def available() -> bool:
     return True
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -31,12 +31,21 @@ def _pyplot():
     return plt
 
 
+def save(fig, path: Path, *, dpi: int = 100, tight: bool = True) -> Path:
+    """Write a figure as PNG (tight layout unless the caller placed its parts) and free it."""
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
 
 
 def _colors(arms: list[Arm]) -> dict[str, tuple]:
-    plt = _pyplot()
+    plt = pyplot()
     cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
     return {arm.label: cmap(i % cmap.N) for i, arm in enumerate(arms)}
 
@@ -47,7 +56,7 @@ def _xy(run: Run, column: str) -> tuple[list[float], list[float]]:
 
 
 def plot_run(run: Run, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for column, style in (("train_loss", "-"), ("eval_loss", "o-")):
         x, y = _xy(run, column)
@@ -58,14 +67,12 @@ def plot_run(run: Run, path: Path) -> None:
     ax.set_title(run.name, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_overlay(arms: list[Arm], path: Path) -> None:
     """Train and held-out loss of every run, one colour per arm (seeds of an arm share it)."""
-    plt = _pyplot()
+    plt = pyplot()
     colors = _colors(arms)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, column, title in ((axes[0], "train_loss", "train loss"), (axes[1], "eval_loss", "held-out loss")):
@@ -86,12 +93,11 @@ def plot_overlay(arms: list[Arm], path: Path) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
         fig.subplots_adjust(bottom=0.12 + 0.05 * math.ceil(len(labels) / 3), top=0.92, wspace=0.05)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, tight=False)
 
 
 def plot_throughput(arms: list[Arm], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     colors = _colors(arms)
     fig, ax = plt.subplots(figsize=(8, 4))
     for arm in arms:
@@ -107,15 +113,13 @@ def plot_throughput(arms: list[Arm], path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_accuracy(arms: list[Arm], columns: list[str], path: Path) -> None:
     """Downstream accuracy (acc/<task>, acc_norm/<task>) against tokens, one panel per column, one colour
     per arm (seeds of an arm share it)."""
-    plt = _pyplot()
+    plt = pyplot()
     colors = _colors(arms)
     fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 4), squeeze=False)
     for ax, column in zip(axes[0], columns, strict=True):
@@ -131,9 +135,7 @@ def plot_accuracy(arms: list[Arm], columns: list[str], path: Path) -> None:
     axes[0][0].set_ylabel("accuracy")
     if axes[0][0].get_legend_handles_labels()[0]:
         axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_pairs(
@@ -141,7 +143,7 @@ def plot_pairs(
 ) -> None:
     """Mean paired difference of held-out loss (or `what`) per arm, with its 95% interval where there are
     2+ seeds."""
-    plt = _pyplot()
+    plt = pyplot()
     shown = [p for p in pairs if p.mean is not None]
     fig, ax = plt.subplots(figsize=(8, max(2.5, 1.2 + 0.45 * len(shown))))  # title, axis: ~1.2 in
     for i, pair in enumerate(shown):
@@ -155,9 +157,7 @@ def plot_pairs(
     ax.set_xlabel(f"{what} (mean over seeds, 95% t interval)")
     ax.set_title(f"control: {control.label}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _share_columns(columns: list[str]) -> list[str]:
@@ -194,7 +194,7 @@ def plot_shares(run: Run, path: Path) -> bool:
     if shares is None:
         return False
     layers, columns, values = shares
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.5 + 0.5 * len(columns), 1 + 0.4 * len(layers)))
     image = ax.imshow(values, aspect="auto", cmap="viridis")
     if len(columns) <= 16 and len(layers) <= 32:  # small enough to print each share
@@ -207,9 +207,7 @@ def plot_shares(run: Run, path: Path) -> bool:
     ax.set_ylabel("layer")
     ax.set_title(f"expert token shares, last step ({run.name})", fontsize=8)
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -267,7 +265,7 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
 
     if not scaling.arms:  # every ladder run was left out (the section lists why)
         return []
-    plt = _pyplot()
+    plt = pyplot()
     fitted = [a for a in scaling.arms if a.fit.ok]
     colors = _colors(scaling.arms)
     top = max([c for _, c in scaling.at] + [p.C for a in scaling.arms for p in a.points])
@@ -299,10 +297,7 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
     ax.set_title("loss vs compute: runs, fitted rungs (dotted), frontier L*(C) with 95% band", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(folder / "scaling_loss_vs_compute.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    written.append(save(fig, folder / "scaling_loss_vs_compute.png"))
 
     compared = [a for a in fitted if a.comparison is not None and not a.comparison.reason]
     if compared:
@@ -322,10 +317,7 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
         ax.set_title("k > 1: the control needs k x the compute for the arm's loss (95% band)", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(folder / "scaling_multiplier.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(save(fig, folder / "scaling_multiplier.png"))
 
     tested = [a for a in scaling.arms if a.backtest is not None and not a.backtest.reason]
     if tested:
@@ -339,8 +331,5 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
         ax.set_xlabel("loss of the largest rung, fitted without it (95% prediction interval)")
         ax.grid(alpha=0.3, axis="x")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(folder / "scaling_backtest.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(save(fig, folder / "scaling_backtest.png"))
     return written
