@@ -126,7 +126,7 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 
 def cached_logits(model, ids: torch.Tensor, chunks: list[int], pad=None) -> torch.Tensor:
-    """The logits of `ids` decoded through a KV cache, `chunks` positions at a time (they sum to the length)."""
+    """The logits of `ids` decoded through a KV cache, `chunks` positions a call (summing to the length)."""
     cache = model.new_cache(ids.shape[0], ids.shape[1], pad)
     out, start = [], 0
     for n in chunks:
