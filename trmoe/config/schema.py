@@ -261,10 +261,10 @@ class AttentionConfig:
 
 @dataclass
 class RoutingConfig:
-    """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or, with
-    strategy=learned, a linear router over the FFN input (docs/routing.md)."""
+    """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or a linear
+    router over the FFN input (strategy learned, frozen_router, rerandomised_router; docs/routing.md)."""
 
-    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction, or learned
+    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # a route-table construction, or a router
     top_k: int = 2  # K distinct experts per token
     primary_weight: float = 0.5  # p: weight of route 0; routes 1..K-1 get (1-p)/(K-1); K=1 forces 1
     primary_weight_final: float | None = None  # if set, p ramps primary_weight -> this; None = constant
@@ -273,8 +273,8 @@ class RoutingConfig:
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
     frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
-    aux_weight: float = 0.01  # learned only: weight of the load-balancing loss (layer mean); 0 = off
-    z_weight: float = 0.0  # learned only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
+    aux_weight: float = 0.01  # routers only: weight of the load-balancing loss (layer mean); 0 = off
+    z_weight: float = 0.0  # routers only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
 
 
 @dataclass

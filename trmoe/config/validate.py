@@ -277,8 +277,8 @@ def _validate_mup(cfg: Config) -> None:
         _fail(
             "model.parametrization",
             "mup",
-            "routing.strategy=learned is not supported under mup (its router has no muP rule here); "
-            "allowed: a fixed route-table strategy, or model.parametrization=sp",
+            f"routing.strategy={cfg.routing.strategy.value} is not supported under mup (a router has no muP "
+            "rule here); allowed: a fixed route-table strategy, or model.parametrization=sp",
         )
     if m.init != ModelInit.default:
         _fail(
@@ -495,7 +495,7 @@ def _validate_strategy(cfg: Config) -> None:
         _fail(
             "routing.strategy",
             name,
-            "a learned router needs model.num_experts >= 2 and model.routed_width > 0",
+            "a router needs model.num_experts >= 2 and model.routed_width > 0",
         )
     if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
         _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")

@@ -36,9 +36,12 @@ The old runner's constructions, each split into its draws and a pure constructio
 can feed the runner's torch draws and compare with its tables): ``random_shared`` (one draw shared by every
 layer, labels per layer), ``balanced_hash_all_tuples`` (all E!/(E-K)! ordered tuples dealt over a random
 order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (a modulo primary and
-secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
-router is in trmoe/model/moe.py). ``REGISTRY`` is the one list of strategies: the config schema, its
-validation and docs/routing.md read it.
+secondaries chosen greedily to balance id counts, or token occurrences). The router strategies have no
+table (the router is in trmoe/model/moe.py): ``learned`` trains its ``W_r`` [E, H]; ``frozen_router`` keeps
+``W_r`` at its init (drawn as ``learned``'s is), never updated; ``rerandomised_router`` draws a fresh
+``W_r ~ N(0, init_std^2)`` before every optimizer step from a ``torch.Generator`` seeded by
+``router_step_seed(seed, layer, step) = mix32(salt ^ mix32(step))``, so a resumed run draws the same routers.
+``REGISTRY`` is the one list of strategies: the config schema, its validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
 slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
@@ -75,8 +78,10 @@ __all__ = [
     "STRATEGIES",
     "balance_stats",
     "build_route_table",
+    "draw_router",
     "layer_salt",
     "mix32",
+    "router_step_seed",
     "route_counts",
 ]
 
@@ -131,6 +136,21 @@ def layer_salt(seed: int, layer: int) -> int:
     """Per-layer 32-bit salt: ``mix32(mix32(seed) ^ (layer * 0x9E3779B1 mod 2^32))``.
     The seed is taken modulo 2^32."""
     return mix32(mix32(seed) ^ ((layer * _GOLDEN) & _M32))
+
+
+def router_step_seed(seed: int, layer: int, step: int) -> int:
+    """The seed of ``rerandomised_router``'s draw for (layer, optimizer step): ``mix32(salt ^ mix32(step))``
+    with ``salt = layer_salt(seed, layer)``; a pure function of the three, so a resume repeats it."""
+    return mix32(layer_salt(seed, layer) ^ mix32(step))
+
+
+def draw_router(seed: int, layer: int, step: int, experts: int, hidden: int, std: float) -> torch.Tensor:
+    """``rerandomised_router``'s router of one step: ``W_r ~ N(0, std^2)`` [E, H] float32 on the CPU, drawn by
+    a ``torch.Generator`` seeded with ``router_step_seed(seed, layer, step)`` (never the global generator)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(router_step_seed(seed, layer, step))
+    return torch.randn(experts, hidden, generator=gen) * std
 
 
 def _rng(salt: int) -> np.random.Generator:
@@ -387,7 +407,7 @@ class TableArgs:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One routing strategy: its construction (None: a learned router, no table) and what docs/routing.md
+    """One routing strategy: its construction (None: a router, no table) and what docs/routing.md
     tabulates about it."""
 
     build: Callable[[TableArgs], np.ndarray] | None
@@ -397,9 +417,11 @@ class Strategy:
     origin: str  # the old runner's name for the same construction, or what it is new to
     needs_frequencies: bool = False  # reads routing.frequencies (token counts of the training split)
     nested_k: bool = True  # the K = 2 table is the first two rows of the K = 4 table
+    router: str = ""  # routers only (build None): "trained", "frozen" or "rerandomised" (see the module doc)
 
     @property
     def learned(self) -> bool:
+        """Routes by a router over the FFN input (trained, frozen or re-randomised), not by a table."""
         return self.build is None
 
 
@@ -475,6 +497,23 @@ REGISTRY: dict[str, Strategy] = {
         "a router per layer, trained",
         "input-dependent",
         "`--mlp-type learned_router` (a linear router, softmax, top-K)",
+        router="trained",
+    ),
+    "frozen_router": Strategy(
+        None,
+        "none trained (the random router's own)",
+        "a router per layer, frozen at its init",
+        "input-dependent",
+        "new: Fan et al. 2024's frozen random-init router (a control)",
+        router="frozen",
+    ),
+    "rerandomised_router": Strategy(
+        None,
+        "statistical (a fresh random router per step)",
+        "a router per layer, redrawn every step",
+        "input-dependent",
+        "new: Fan et al. 2024's router re-randomised every step (a control)",
+        router="rerandomised",
     ),
 }
 
