@@ -260,6 +260,18 @@ class AttentionConfig:
 
 
 @dataclass
+class LayerRoutingConfig:
+    """One entry of routing.layers: decoder layers `first`..`last` (0-based, both included) route by
+    `strategy` (`{first: 0, last: 2, strategy: balanced_hash}`); every other routing key is routing.*'s.
+    Ranges must lie in 0..model.num_layers-1 and be disjoint; the layers no range covers use
+    routing.strategy."""
+
+    first: int = MISSING  # first layer of the range, 0-based
+    last: int = MISSING  # last layer of the range, included
+    strategy: RoutingStrategy = MISSING  # a route table or a router, as routing.strategy
+
+
+@dataclass
 class RoutingConfig:
     """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or a linear
     router over the FFN input (strategy learned, frozen_router, rerandomised_router; docs/routing.md)."""
@@ -275,6 +287,7 @@ class RoutingConfig:
     frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
     aux_weight: float = 0.01  # routers only: weight of the load-balancing loss (layer mean); 0 = off
     z_weight: float = 0.0  # routers only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
+    layers: list[LayerRoutingConfig] = field(default_factory=list)  # per-layer ranges: routing.layers[] below
 
 
 @dataclass

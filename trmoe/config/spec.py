@@ -7,8 +7,7 @@ resolution (resolve: validates, then solves the match) both build on it without 
 from __future__ import annotations
 
 from trmoe.config.schema import Config
-from trmoe.config.validate import frequencies_path, kv_heads
-from trmoe.model.routing import REGISTRY
+from trmoe.config.validate import frequencies_path, kv_heads, layer_strategies, needs_frequencies
 from trmoe.model.spec import ModelSpec
 
 
@@ -20,7 +19,7 @@ def depth_scales(first: float, last: float | None, num_layers: int) -> tuple[flo
 
 
 def _route_frequencies(cfg: Config) -> str | None:
-    if not REGISTRY[cfg.routing.strategy.value].needs_frequencies:
+    if not needs_frequencies(cfg):
         return None
     path = frequencies_path(cfg)
     return str(path) if path is not None else None
@@ -76,5 +75,6 @@ def model_spec(cfg: Config) -> ModelSpec:
         norm_eps=m.norm_eps,
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
+        layer_strategies=layer_strategies(cfg) if cfg.routing.layers else (),
         **mup_fields(cfg),
     )
