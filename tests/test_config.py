@@ -175,7 +175,7 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (["experiment=routing_ablation_smok"], "allowed: attention_matched, attention_matched_smoke,"),
         # arm is a group of grids: the allowed list names the grids, or the arms of the grid named
         (["arm=topk/nope"], "Could not find 'arm/topk/nope'; allowed: topk/dense, topk/k1, topk/k2_p050,"),
-        (["arm=nope"], "allowed: attention_matched/..., hash_vs_learned/..., routing_ablation/..., topk/..."),
+        (["arm=nope"], "allowed: attention_matched/..., hash_vs_learned/..., router_persistence/..., rout"),
         (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
         (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),
         # a group takes one option: Hydra raised a ValueError for a number, and merged a list silently
