@@ -57,13 +57,13 @@ def install(fault: str) -> None:
     if kind in ("step", "signal"):
         forward = Objective.forward
 
-        def faulty_forward(self, inputs):
+        def faulty_forward(self, inputs, targets=None):
             if current["step"] == k:
                 if kind == "step" and phase == "forward":
                     die()
                 if kind == "signal":
                     os.kill(os.getpid(), getattr(signal, f"SIG{phase}"))
-            return forward(self, inputs)
+            return forward(self, inputs, targets)
 
         Objective.forward = faulty_forward
 

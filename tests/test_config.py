@@ -49,6 +49,14 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
 
         np.save(tmp_path / "token_counts.npy", np.arange(200_019, dtype=np.int64) % 5)
         overrides.append(f"routing.frequencies={tmp_path}")
+    if (group, option) in (("routing", "clustered_hash"), ("routing", "dispersed_hash")):  # a real embedding
+        import numpy as np
+
+        np.save(
+            tmp_path / "embedding.npy",
+            np.random.default_rng(0).standard_normal((200_019, 4), dtype=np.float32),
+        )
+        overrides.append(f"routing.embedding={tmp_path / 'embedding.npy'}")
     if (group, option) == ("data", "text"):
         overrides.append("data.text_path=/some/corpus.txt")
     if (group, option) in (("data", "tokens"), ("data", "fineweb")):
@@ -175,7 +183,11 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (["experiment=routing_ablation_smok"], "allowed: attention_matched, attention_matched_smoke,"),
         # arm is a group of grids: the allowed list names the grids, or the arms of the grid named
         (["arm=topk/nope"], "Could not find 'arm/topk/nope'; allowed: topk/dense, topk/k1, topk/k2_p050,"),
-        (["arm=nope"], "allowed: attention_matched/..., hash_vs_learned/..., router_persistence/..., rout"),
+        (
+            ["arm=nope"],
+            "allowed: attention_matched/..., hash_vs_learned/..., roller_hash_table/..., "
+            "router_persistence/..., routing_ablation/..., topk/...",
+        ),
         (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
         (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),
         # a group takes one option: Hydra raised a ValueError for a number, and merged a list silently

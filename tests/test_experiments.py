@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import CONF_DIR, cli, compose_config
 from hydra import compose, initialize_config_module
@@ -104,8 +105,16 @@ def test_match_errors_are_one_line_user_errors():
 # --- the experiment grids ------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory) -> str:
+    """A [V, 4] token embedding for the arms that build their tables from one (routing.embedding)."""
+    path = tmp_path_factory.mktemp("embedding") / "embedding.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((200_019, 4), dtype=np.float32))
+    return str(path)
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name):
+def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name, embedding):
     hc = _grid(name)
     assert str(hc.hydra.mode) == "RunMode.MULTIRUN"  # `experiment=<name>` launches the whole grid
     params = hc.hydra.sweeper.params
@@ -119,9 +128,9 @@ def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name):
         return  # the arms are attention_matched's, checked there
     target = hc.model.match_params
     for arm in arms:
-        cfg = to_config(compose_config(f"experiment={name}", f"arm={arm}"))
+        cfg = to_config(compose_config(f"experiment={name}", f"arm={arm}", f"routing.embedding={embedding}"))
         solution = solve_match(cfg)
-        if name.startswith("hash_vs_learned") and cfg.routing.strategy.value == "learned":
+        if not name.startswith("router_persistence") and cfg.routing.strategy.value == "learned":
             # the hash arms' widths plus its router, L x E x H (router_persistence's E = 6 absorbs it)
             m = cfg.model
             assert solution.residual == m.num_layers * m.num_experts * m.hidden_size, (arm, solution)
@@ -131,7 +140,15 @@ def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["routing_ablation", "attention_matched", "topk", "seeds", "hash_vs_learned", "router_persistence"],
+    [
+        "routing_ablation",
+        "attention_matched",
+        "topk",
+        "seeds",
+        "hash_vs_learned",
+        "roller_hash_table",
+        "router_persistence",
+    ],
 )
 def test_each_grid_has_a_smoke_variant_with_the_same_arms(name):
     real, smoke = _grid(name), _grid(f"{name}_smoke")

@@ -89,7 +89,9 @@ def test_debug_fast_runs_two_steps_and_writes_no_checkpoint(tmp_path, one_thread
 
 def test_a_guard_stop_without_checkpoints_saves_nothing_and_says_so(tmp_path, one_thread, monkeypatch):
     real = Objective.forward
-    monkeypatch.setattr(Objective, "forward", lambda self, inputs: real(self, inputs) * float("nan"))
+    monkeypatch.setattr(
+        Objective, "forward", lambda self, inputs, targets=None: real(self, inputs, targets) * float("nan")
+    )
     with pytest.raises(RunFailed, match=r"the last good state is not saved \(checkpoint.enabled=false\)"):
         train(compose_config(*FAST_CPU, "debug=fast", "guard.max_skips=1"), tmp_path / "r")
     assert list((tmp_path / "r" / "checkpoints").rglob("*")) == []
@@ -129,8 +131,8 @@ def test_debug_anomaly_names_the_op_of_a_nan_gradient(tmp_path, one_thread, monk
     """A NaN made in the backward (injected from outside: sqrt at 0 has an infinite derivative, times 0)."""
     real = Objective.forward
 
-    def forward(self, inputs):
-        hidden = real(self, inputs)
+    def forward(self, inputs, targets=None):
+        hidden = real(self, inputs, targets)
         zero = (hidden - hidden.detach()).sum() * 0
         return hidden + torch.sqrt(zero)
 

@@ -66,6 +66,7 @@ def generate(
     """The new tokens of each prompt (without the prompt): up to s.max_new_tokens, ending after eos_id or
     when `done(row, new_tokens)` says so (stop strings)."""
     s.check()
+    model.refuse_analysis_only("sampling")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("prompt: empty; allowed: at least one token")
     limit = model.spec.max_seq_len

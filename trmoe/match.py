@@ -58,7 +58,7 @@ def _ffn_text(spec) -> str:
             spans.append(f"{layer}-{layer + n - 1}:{name}" if n > 1 else f"{layer}:{name}")
             layer += n
         routes += ", " + " ".join(spans)
-    elif REGISTRY[spec.strategy].learned:
+    elif REGISTRY[spec.strategy].learned:  # one router strategy in every layer: its name
         routes = f"{spec.strategy} {routes}"
     trained = sum(REGISTRY[s].router == "trained" for s in spec.strategies)
     if trained:  # a trained router's E x H per layer is in total and active (a frozen one is not counted)

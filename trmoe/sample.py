@@ -78,6 +78,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     s = Sampling(args.max_new_tokens, args.greedy, args.temperature, args.top_k, args.top_p, args.seed)
     s.check()
     loaded = load_model(args.run, args.step, device=args.device, dtype=args.dtype)
+    loaded.model.refuse_analysis_only(f"sampling {args.run}")
     if not loaded.text_vocab:
         raise UserError(
             f"run {args.run}: its model reads {loaded.spec.vocab_size} token ids, not o200k_base text "

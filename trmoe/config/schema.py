@@ -285,6 +285,7 @@ class RoutingConfig:
     seed: int = 0  # route tables are a pure function of (strategy, vocab, E, K, layer, seed, hash_count)
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
     frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
+    embedding: str | None = None  # clustered/dispersed_hash: [V, H] token embedding file; others ignore it
     aux_weight: float = 0.01  # routers only: weight of the load-balancing loss (layer mean); 0 = off
     z_weight: float = 0.0  # routers only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
     layers: list[LayerRoutingConfig] = field(default_factory=list)  # per-layer ranges: routing.layers[] below

@@ -6,8 +6,11 @@ resolution (resolve: validates, then solves the match) both build on it without 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trmoe.config.schema import Config
 from trmoe.config.validate import frequencies_path, kv_heads, layer_strategies, needs_frequencies
+from trmoe.model.routing import REGISTRY
 from trmoe.model.spec import ModelSpec
 
 
@@ -23,6 +26,15 @@ def _route_frequencies(cfg: Config) -> str | None:
         return None
     path = frequencies_path(cfg)
     return str(path) if path is not None else None
+
+
+def _route_embedding(cfg: Config) -> str | None:
+    """routing.embedding as an absolute path (read where the model is built), for the strategies that read
+    it."""
+    reads = any(REGISTRY[name].needs_embedding for name in layer_strategies(cfg))
+    if not reads or not cfg.routing.embedding:
+        return None
+    return str(Path(cfg.routing.embedding).expanduser().absolute())
 
 
 def mup_fields(cfg: Config) -> dict:
@@ -75,6 +87,7 @@ def model_spec(cfg: Config) -> ModelSpec:
         norm_eps=m.norm_eps,
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
+        route_embedding=_route_embedding(cfg),
         layer_strategies=layer_strategies(cfg) if cfg.routing.layers else (),
         **mup_fields(cfg),
     )

@@ -509,6 +509,27 @@ def needs_frequencies(cfg: Config) -> bool:
     return any(REGISTRY[name].needs_frequencies for name in layer_strategies(cfg))
 
 
+def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
+    """routing.embedding: where the strategy reads it, a readable [V, H] token embedding (the others ignore
+    it: one grid sets it for all its arms)."""
+    source = cfg.routing.embedding
+    if not needed:
+        return
+    allowed = "a [V, H] token embedding: a .npy, .pt or .safetensors file, or a trmoe export dir"
+    if not source:
+        _fail("routing.embedding", source, f"{name} needs {allowed}")
+    try:
+        import scipy.cluster.vq  # noqa: F401  (its k-means)
+    except ImportError:
+        _fail("routing.strategy", name, "needs scipy (pip install 'trmoe[report]')")
+    from trmoe.model.embedding_routing import load_embedding
+
+    try:
+        load_embedding(Path(source).expanduser().absolute(), cfg.model.vocab_size)
+    except ValueError as e:
+        _fail("routing.embedding", source, str(e))
+
+
 def _validate_strategy(cfg: Config) -> None:
     """What the routing strategies of the layers need (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
@@ -517,11 +538,21 @@ def _validate_strategy(cfg: Config) -> None:
             _fail(f"routing.{key}", getattr(r, key), "must be >= 0 (0 = off)")
     names = list(dict.fromkeys(layer_strategies(cfg)))
     for name in names:
-        if REGISTRY[name].learned and (m.routed_width == 0 or m.num_experts < 2):
+        entry = REGISTRY[name]
+        if entry.learned and (m.routed_width == 0 or m.num_experts < 2):
             needs = "a router needs model.num_experts >= 2 and model.routed_width > 0"
             _fail("routing.strategy", name, needs)
         if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
             _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
+        if entry.analysis_only and cfg.downstream.tasks:
+            _fail(
+                "downstream.tasks",
+                list(cfg.downstream.tasks),
+                f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
+                "loss); allowed: [] (no downstream evaluation)",
+            )
+    embedded = [name for name in names if REGISTRY[name].needs_embedding]
+    _validate_embedding(cfg, embedded[0] if embedded else names[0], bool(embedded))
     if r.frequencies and not needs_frequencies(cfg):
         _fail(
             "routing.frequencies",

@@ -49,6 +49,8 @@ class TRMoELM(TemplateLM):
             if str(device).startswith("cuda") and not torch.cuda.is_available():
                 device = "auto"  # the harness's default device is cuda:0 even where there is none
             loaded = load_model(run, step, device=device, dtype=dtype)
+            # (training with downstream.tasks passes its model: its config was refused at validation)
+            loaded.model.refuse_analysis_only("downstream evaluation")
             if not loaded.text_vocab:
                 raise UserError(f"run {run}: its model does not read o200k_base text (model.vocab_size)")
             model = loaded.model

@@ -66,6 +66,7 @@ def hf_config(loaded: LoadedModel) -> dict:
         "shared_scales": list(s.shared_scales),
         "routed_scales": list(s.routed_scales),
         "routing_strategy": s.strategy,
+        **_route_key(loaded),
         "rms_norm_eps": s.norm_eps,
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
@@ -76,6 +77,24 @@ def hf_config(loaded: LoadedModel) -> dict:
             "step": loaded.step,  # the weights' hash is added once written
             "parametrization": s.parametrization,  # mup: its multipliers are baked into the weights
         },
+    }
+
+
+def _route_key(loaded: LoadedModel) -> dict:
+    """config.json's route_key (what every layer routes on) and, for a hashed key, each layer's salt."""
+    from trmoe.model.routing import layer_salt
+
+    keys = {block.ffn.route_key for block in loaded.model.blocks}
+    if len(keys) != 1:
+        raise UserError(
+            f"--format hf: {loaded.checkpoint} routes its layers on different keys {sorted(keys)}"
+        )
+    key = keys.pop()
+    if key == "token":
+        return {"route_key": key}
+    return {
+        "route_key": key,
+        "route_salts": [layer_salt(loaded.spec.route_seed, i) for i in range(loaded.spec.num_layers)],
     }
 
 
@@ -210,6 +229,7 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
             f"--format hf: {loaded.checkpoint} routes with a router (routing.strategy={routers[0]}); the "
             "exported model code supports fixed route tables only; allowed: --format safetensors"
         )
+    loaded.model.refuse_analysis_only(f"export of {loaded.checkpoint}")
     model = loaded.model.to(device="cpu", dtype=torch.float32)
     loaded = LoadedModel(
         model, loaded.spec, loaded.step, loaded.checkpoint, loaded.config, torch.device("cpu")

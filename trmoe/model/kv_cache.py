@@ -6,7 +6,9 @@ Only attention mixes positions (the FFN, norms and head act on each position alo
 the new positions' rows plus every layer's K and V of the earlier ones: one row of work per layer per new
 token instead of a full recompute. Keys are stored after QK-norm and RoPE, exactly as the full forward
 computes them. Prompts of different lengths share a batch left-padded: row b's first `pad[b]` slots are
-padding, its real tokens take positions 0, 1, ... (RoPE) and no real query attends to a padding key.
+padding, its real tokens take positions 0, 1, ... (RoPE) and no real query attends to a padding key. The
+cache also keeps each row's last token id: a layer that routes on the previous id (bigram_hash,
+prev_token_hash: trmoe.model.context_routing) reads it at the next step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0
+        self.last_ids: torch.Tensor | None = None  # [B]: the id in each row's last filled slot
         self._mask: tuple[tuple[int, int], torch.Tensor] | None = None
         # left padding per row ([B] int64), None when every row starts at slot 0
         self.pad = None if pad is None or not bool(pad.any()) else pad.to(device=device, dtype=torch.long)
@@ -72,6 +75,9 @@ class KVCache:
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
-    def advance(self, new: int) -> None:
-        """The `new` slots every layer appended are now part of the cache."""
+    def advance(self, new: int, last_ids: torch.Tensor | None = None) -> None:
+        """The `new` slots every layer appended are now part of the cache; `last_ids` [B] the ids in their
+        last slot."""
         self.length += new
+        if last_ids is not None:
+            self.last_ids = last_ids

@@ -34,7 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trmoe.model.routing import REGISTRY, build_route_table, draw_router, load_token_counts, tuple_grouping
+from trmoe.model.context_routing import hash_routes, units_tensor
+from trmoe.model.routing import (
+    REGISTRY,
+    build_route_table,
+    draw_router,
+    layer_salt,
+    load_token_counts,
+    tuple_grouping,
+)
 from trmoe.model.spec import ModelSpec
 
 
@@ -177,9 +185,15 @@ class RoutedExperts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, spec.hidden_size, 2 * width))
         self.w_out = nn.Parameter(torch.empty(num_experts, width, spec.hidden_size))
         self._last_routes: torch.Tensor | None = None  # a learned router's routes of the last forward
-        # A persistent buffer: saved in every checkpoint, identical on every rank, never trained.
         strategy = spec.strategy_of(layer)
-        if REGISTRY[strategy].learned:
+        entry = REGISTRY[strategy]
+        # a hashed key (trmoe.model.context_routing): routes = hash_routes(key, salt), no table
+        self.hash_salt = layer_salt(spec.route_seed, layer) if entry.hashed else None
+        self.register_buffer(
+            "hash_units", units_tensor(num_experts) if entry.hashed else None, persistent=False
+        )
+        # A persistent buffer: saved in every checkpoint, identical on every rank, never trained.
+        if not entry.has_table:
             table = None
         elif self.w_in.device.type == "meta":
             table = torch.empty(top_k, spec.vocab_size, dtype=torch.uint8, device="meta")
@@ -194,6 +208,7 @@ class RoutedExperts(nn.Module):
                 spec.route_seed,
                 spec.hash_count,
                 freq,
+                spec.route_embedding,
             )
         self.register_buffer("route_table", table)
         ids_dtype = table.dtype if table is not None else torch.int64
@@ -226,11 +241,17 @@ class RoutedExperts(nn.Module):
         self.register_buffer("tuple_ids", ids, persistent=False)
 
     def routes(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[K*N] expert ids the last forward over `token_ids` [N] used (route-major): the table's, or those a
-        learned router chose in that forward."""
-        if self.route_table is None:
+        """[K*N] expert ids the last forward over `token_ids` [N] (the route keys) used (route-major): the
+        table's, the hashed key's, or those a learned router chose in that forward."""
+        if self.hash_salt is None and self.route_table is None:
             return self._last_routes.reshape(-1)
-        return self.route_table[:, token_ids.reshape(-1)].reshape(-1)
+        return self._fixed_routes(token_ids.reshape(-1)).reshape(-1)
+
+    def _fixed_routes(self, keys: torch.Tensor) -> torch.Tensor:
+        """[K, N] expert ids of route keys [N]: the table's column of each token id, or the hashed key's."""
+        if self.hash_salt is not None:
+            return hash_routes(keys, self.num_experts, self.top_k, self.hash_salt, self.hash_units)
+        return self.route_table[:, keys]
 
     @property
     def primary_weight(self) -> float:
@@ -282,7 +303,7 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """One row per (token, route), sorted by expert; index_add sums each token's K rows."""
         n = x.shape[0]
-        table = self.route_table[:, token_ids] if routing is None else routing[0]
+        table = self._fixed_routes(token_ids) if routing is None else routing[0]
         experts = table.reshape(-1)  # [K*N], index = route * N + token
         grouped, order = torch.sort(experts, stable=True)  # group (token, route) pairs by expert
         # group boundaries found on the device (bincount would read its size on the host: a sync)
@@ -356,6 +377,8 @@ class TRMoEFFN(nn.Module):
             # frozen one is drawn by reset_parameters exactly as a trained one (same place in the order)
             trained = kind == "trained"
             self.router = nn.Parameter(torch.empty(shape), requires_grad=trained) if kind else None
+        key = REGISTRY[spec.strategy_of(layer)].key
+        self._route_key = (key or "token") if self.routed is not None else "token"
         self.router_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (aux, z) of the last forward
         # the gates weigh the two branches against each other: with one branch there is nothing to weigh (a
         # lone gate would only rescale what the branch's output weight already can; the reference has none)
@@ -365,7 +388,13 @@ class TRMoEFFN(nn.Module):
         # fixed, not trained
         self.shared_scale, self.routed_scale = spec.shared_scales[layer], spec.routed_scales[layer]
 
+    @property
+    def route_key(self) -> str:
+        """What this layer's routes read of each position (trmoe.model.context_routing.KEY_KINDS)."""
+        return self._route_key
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [.., H], token_ids [..]: the route keys of `route_key`'s kind (the input ids for a table)."""
         shape = x.shape
         x, token_ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
         y = None

@@ -32,16 +32,25 @@ Strategies:
   the routes are the K experts of largest score, in descending order, ties to the lower expert id.
   Balance is statistical only.
 
+* ``clustered_hash`` / ``dispersed_hash``: ``c(t)`` the k-means cluster of token t's embedding
+  (trmoe/model/embedding_routing.py), ``rho`` the rank of t when the ids are sorted by ``(c(t), t)``;
+  ``g = floor(rho * E / V)`` (clustered: a cluster's ids are contiguous, so they share an expert) or
+  ``g = rho mod E`` (dispersed: a cluster's ids are dealt round the experts); ``pi`` a per-layer label
+  permutation; ``r_k(t) = pi[(g + k) mod E]``. Exactly balanced in ids (counts differ by at most 1).
+
 The old runner's constructions, each split into its draws and a pure construction from them (so the tests
 can feed the runner's torch draws and compare with its tables): ``random_shared`` (one draw shared by every
 layer, labels per layer), ``balanced_hash_all_tuples`` (all E!/(E-K)! ordered tuples dealt over a random
 order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (a modulo primary and
-secondaries chosen greedily to balance id counts, or token occurrences). The router strategies have no
-table (the router is in trmoe/model/moe.py): ``learned`` trains its ``W_r`` [E, H]; ``frozen_router`` keeps
-``W_r`` at its init (drawn as ``learned``'s is), never updated; ``rerandomised_router`` draws a fresh
-``W_r ~ N(0, init_std^2)`` before every optimizer step from a ``torch.Generator`` seeded by
-``router_step_seed(seed, layer, step) = mix32(salt ^ mix32(step))``, so a resumed run draws the same routers.
-``REGISTRY`` is the one list of strategies: the config schema, its validation and docs/routing.md read it.
+secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
+router is in trmoe/model/moe.py), nor have ``bigram_hash``, ``prev_token_hash``, ``position_hash`` and
+``oracle_future_hash``: they hash another key of each position on the fly
+(trmoe/model/context_routing.py). The router strategies route on the hidden state: ``learned`` trains its
+``W_r`` [E, H]; ``frozen_router`` keeps ``W_r`` at its init (drawn as ``learned``'s is), never updated;
+``rerandomised_router`` draws a fresh ``W_r ~ N(0, init_std^2)`` before every optimizer step from a
+``torch.Generator`` seeded by ``router_step_seed(seed, layer, step) = mix32(salt ^ mix32(step))``, so a
+resumed run draws the same routers. ``REGISTRY`` is the one list of strategies: the config schema, its
+validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
 slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
@@ -383,6 +392,20 @@ def _balanced_hash_all_tuples(args: TableArgs) -> np.ndarray:
     return tuple_hash_routes(sigma, rng.permutation(len(tuples)), tuples)
 
 
+def _embedding_table(args: TableArgs, dispersed: bool) -> np.ndarray:
+    from trmoe.model.embedding_routing import clusters
+
+    vocab, experts = args.vocab, args.experts
+    cluster = clusters(args.embedding, vocab, experts, args.seed)
+    order = np.lexsort((np.arange(vocab), cluster))  # the ids cluster by cluster, ascending within one
+    rank = np.empty(vocab, dtype=np.int64)
+    rank[order] = np.arange(vocab, dtype=np.int64)
+    group = rank % experts if dispersed else rank * experts // vocab
+    labels = _rng(args.salt).permutation(experts)
+    k = np.arange(args.top_k, dtype=np.int64)[:, None]
+    return labels[(group[None, :] + k) % experts]
+
+
 def tuple_count(experts: int, top_k: int) -> int:
     """E! / (E-K)!: ordered K-tuples of distinct experts."""
     return math.perm(experts, top_k)
@@ -403,12 +426,13 @@ class TableArgs:
     salt: int
     hash_count: int
     frequencies: np.ndarray | None
+    embedding: str | None = None  # clustered/dispersed: the token embedding's source (embedding_routing)
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One routing strategy: its construction (None: a router, no table) and what docs/routing.md
-    tabulates about it."""
+    """One routing strategy: its construction (None: no table, a learned router or a hashed key) and what
+    docs/routing.md tabulates about it."""
 
     build: Callable[[TableArgs], np.ndarray] | None
     balance: str  # of token ids per expert and slot
@@ -416,13 +440,40 @@ class Strategy:
     tuples: str  # ordered (r_0, r_1) pairs used at E = 4, K = 2
     origin: str  # the old runner's name for the same construction, or what it is new to
     needs_frequencies: bool = False  # reads routing.frequencies (token counts of the training split)
+    needs_embedding: bool = False  # reads routing.embedding (a [V, H] token embedding)
     nested_k: bool = True  # the K = 2 table is the first two rows of the K = 4 table
-    router: str = ""  # routers only (build None): "trained", "frozen" or "rerandomised" (see the module doc)
+    # what a position routes on (trmoe.model.context_routing.KEY_KINDS): "token" (its input id, through the
+    # table), or a key hashed on the fly (no table: build is None); None: a learned router (the hidden state)
+    key: str | None = "token"
+    analysis_only: bool = False  # routes on what inference does not have (the target): loss forwards only
+    router: str = ""  # routers only (key None): "trained", "frozen" or "rerandomised" (see the module doc)
 
     @property
     def learned(self) -> bool:
-        """Routes by a router over the FFN input (trained, frozen or re-randomised), not by a table."""
-        return self.build is None
+        """Routes by a router over the hidden state (trained, frozen or re-randomised)."""
+        return self.key is None
+
+    @property
+    def hashed(self) -> bool:
+        """Routes hashed on the fly from a route key (trmoe.model.context_routing), no table."""
+        return self.key is not None and self.key != "token"
+
+    @property
+    def has_table(self) -> bool:
+        return self.build is not None
+
+
+def _hashed(key: str, what: str, analysis_only: bool = False) -> Strategy:
+    """A strategy routed on a key hashed per batch (trmoe.model.context_routing): affine_hash's formula."""
+    return Strategy(
+        None,
+        "statistical (of keys)",
+        "partition and labels",
+        "8",
+        f"Roller et al. 2021; routes on {what}",
+        key=key,
+        analysis_only=analysis_only,
+    )
 
 
 REGISTRY: dict[str, Strategy] = {
@@ -491,12 +542,35 @@ REGISTRY: dict[str, Strategy] = {
         "12",
         "the engine's `token_id_multi_hash`",
     ),
+    "bigram_hash": _hashed("bigram", "the (previous id, id) pair, hashed on the fly"),
+    "prev_token_hash": _hashed("prev", "the previous token id only, hashed on the fly"),
+    "position_hash": _hashed("position", "the position in the row only (content-free control)"),
+    "oracle_future_hash": _hashed(
+        "target", "the target (next) token id: analysis only, loss forwards only", analysis_only=True
+    ),
+    "clustered_hash": Strategy(
+        lambda a: _embedding_table(a, dispersed=False),
+        "exact (differ by <= 1)",
+        "labels only (same partition)",
+        "4",
+        "Roller et al. 2021: similar tokens (k-means on routing.embedding) share an expert",
+        needs_embedding=True,
+    ),
+    "dispersed_hash": Strategy(
+        lambda a: _embedding_table(a, dispersed=True),
+        "exact (differ by <= 1)",
+        "labels only (same partition)",
+        "4",
+        "Roller et al. 2021: similar tokens (k-means on routing.embedding) spread over the experts",
+        needs_embedding=True,
+    ),
     "learned": Strategy(
         None,
         "by the auxiliary loss (per batch)",
         "a router per layer, trained",
         "input-dependent",
         "`--mlp-type learned_router` (a linear router, softmax, top-K)",
+        key=None,
         router="trained",
     ),
     "frozen_router": Strategy(
@@ -505,6 +579,7 @@ REGISTRY: dict[str, Strategy] = {
         "a router per layer, frozen at its init",
         "input-dependent",
         "new: Fan et al. 2024's frozen random-init router (a control)",
+        key=None,
         router="frozen",
     ),
     "rerandomised_router": Strategy(
@@ -513,6 +588,7 @@ REGISTRY: dict[str, Strategy] = {
         "a router per layer, redrawn every step",
         "input-dependent",
         "new: Fan et al. 2024's router re-randomised every step (a control)",
+        key=None,
         router="rerandomised",
     ),
 }
@@ -520,7 +596,7 @@ REGISTRY: dict[str, Strategy] = {
 ALL_STRATEGIES: tuple[str, ...] = tuple(REGISTRY)  # every value routing.strategy takes
 # the strategies with a route table that need nothing but the sizes and the seed
 STRATEGIES: tuple[str, ...] = tuple(
-    n for n, s in REGISTRY.items() if not s.learned and not s.needs_frequencies
+    n for n, s in REGISTRY.items() if s.has_table and not s.needs_frequencies and not s.needs_embedding
 )
 MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
 
@@ -547,31 +623,36 @@ def build_route_table(
     seed: int = 0,
     hash_count: int = 2,
     frequencies: np.ndarray | torch.Tensor | None = None,
+    embedding: str | None = None,
 ) -> torch.Tensor:
     """Route table of one layer: ``[top_k, vocab_size]`` tensor of expert ids, ``table[k, t]`` the
     k-th expert of token id t (distinct over k); dtype torch.uint8 if num_experts <= 256 else
     torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``,
     ``frequencies`` (token counts, length vocab_size) only ``frequency_balanced_secondary``, which
-    needs them. Raises ValueError on an unknown strategy, a learned one, or out-of-range sizes."""
+    needs them, ``embedding`` (a token embedding's source: trmoe.model.embedding_routing) only
+    ``clustered_hash`` and ``dispersed_hash``, which need it. Raises ValueError on an unknown strategy,
+    one without a table, or out-of-range sizes."""
     import torch
 
     name, vocab, experts, k, lay, sd, h = _validate(
         strategy, vocab_size, num_experts, top_k, layer, seed, hash_count
     )
     entry = REGISTRY[name]
-    if entry.learned:
-        raise ValueError(f"routing strategy {name!r} is a learned router: it has no route table")
+    if not entry.has_table:
+        raise ValueError(f"routing strategy {name!r} has no route table (a learned router or a hashed key)")
     if entry.needs_frequencies:
         if frequencies is None:
             raise ValueError(f"routing strategy {name!r} needs a token-frequency table (routing.frequencies)")
         frequencies = np.asarray(frequencies, dtype=np.int64)
         if frequencies.shape != (vocab,):
             raise ValueError(f"the token-frequency table has shape {frequencies.shape}, expected ({vocab},)")
+    if entry.needs_embedding and embedding is None:
+        raise ValueError(f"routing strategy {name!r} needs a token embedding (routing.embedding)")
     if name == "balanced_hash_all_tuples" and tuple_count(experts, k) > MAX_TUPLES:
         raise ValueError(
             f"balanced_hash_all_tuples: E!/(E-K)! = {tuple_count(experts, k)} tuples > {MAX_TUPLES}"
         )
-    table = entry.build(TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies))
+    table = entry.build(TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies, embedding))
     dtype = np.uint8 if experts <= 256 else np.int16
     return torch.from_numpy(np.ascontiguousarray(table.astype(dtype)))
 
@@ -592,8 +673,11 @@ def load_token_counts(path: str) -> np.ndarray:
     return counts.astype(np.int64)
 
 
-def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert."""
+def route_counts(
+    table: torch.Tensor, num_experts: int, weights: np.ndarray | torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[top_k, num_experts]`` int64: how many token ids each route slot k sends to each expert; with
+    ``weights`` (one per token id, e.g. its occurrences in the training split) their sum instead."""
     import torch
 
     if table.dim() != 2:
@@ -605,17 +689,24 @@ def route_counts(table: torch.Tensor, num_experts: int) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
         raise ValueError(f"route table holds expert ids outside 0..{experts - 1}")
     counts = torch.zeros((table.shape[0], experts), dtype=torch.int64)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    w = (
+        torch.ones_like(ids)
+        if weights is None
+        else torch.as_tensor(weights, dtype=torch.int64).expand_as(ids)
+    )
+    counts.scatter_add_(1, ids, w)
     return counts
 
 
-def balance_stats(table: torch.Tensor, num_experts: int) -> dict[str, float]:
+def balance_stats(
+    table: torch.Tensor, num_experts: int, weights: np.ndarray | torch.Tensor | None = None
+) -> dict[str, float]:
     """Per-layer balance figures: ``primary_max_over_mean`` and ``primary_min_over_mean`` (counts of
     slot 0 against their mean V/E), ``all_max_over_mean`` and ``all_min_over_mean`` (counts of all
-    K slots summed, against their mean K*V/E)."""
+    K slots summed, against their mean K*V/E); of token occurrences with ``weights`` (route_counts)."""
     import torch
 
-    counts = route_counts(table, num_experts).to(torch.float64)
+    counts = route_counts(table, num_experts, weights).to(torch.float64)
     primary = counts[0]
     total = counts.sum(dim=0)
     p_mean = float(primary.mean())
@@ -662,7 +753,9 @@ def groups_by_tuple(
     by expert; so does the frequency-balanced secondary, whose greedy pass uses more tuples than experts
     (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
     entry = REGISTRY[getattr(strategy, "value", strategy)]
-    if entry.learned or entry.needs_frequencies:
+    if entry.needs_embedding:
+        return True  # E tuples (r_0, r_0 + 1, ...) by construction, whatever the embedding
+    if not entry.has_table or entry.needs_frequencies:
         return False
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None

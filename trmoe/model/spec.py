@@ -37,6 +37,7 @@ class ModelSpec:
         "default"  # model.init: default | legacy_kaiming (routed gate/up per expert, see reset_parameters)
     )
     route_frequencies: str | None = None  # token counts file (routing.frequencies) of frequency strategies
+    route_embedding: str | None = None  # token embedding source (routing.embedding): clustered/dispersed
     parametrization: str = "sp"  # model.parametrization: sp | mup (trmoe.model.mup)
     mup_width_mult: float = 1.0  # mup: hidden_size / mup_base_width
     mup_shared_mult: float = 1.0  # mup: shared_width / mup_base_shared_width

@@ -7,7 +7,9 @@
 c = 1 under model.parametrization=sp; muP's readout multiplier 1/m_d under mup (trmoe.model.mup, which also
 sets the attention logits' scale and the init).
 
-The FFN sees the *input* token id t of each position: that is what its route tables are indexed by.
+The FFN sees the *input* token id t of each position: that is what its route tables are indexed by. A
+strategy that routes on another key of each position (the previous id, the (previous, current) pair, the
+position, the target: trmoe.model.context_routing) gets that key instead, computed once per forward.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trmoe.errors import UserError
 from trmoe.model.attention import Attention, RMSNorm, rope_cache
+from trmoe.model.context_routing import route_keys
 from trmoe.model.kv_cache import KVCache
 from trmoe.model.moe import TRMoEFFN
 from trmoe.model.mup import attention_scale, fan_in_mult, output_mult
@@ -114,31 +118,67 @@ class TRMoETransformer(nn.Module):
         aux, z = zip(*terms, strict=True)
         return {"aux": torch.stack(aux).mean(), "z": torch.stack(z).mean()}
 
-    def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    @property
+    def needs_targets(self) -> bool:
+        """Some layer routes on the target token (oracle_future_hash): forward needs `targets`."""
+        return any(block.ffn.route_key == "target" for block in self.blocks)
+
+    def refuse_analysis_only(self, what: str) -> None:
+        """UserError when some layer routes on the target (oracle_future_hash: analysis only): `what`
+        (sampling, an export, a downstream evaluation) has no targets to route on."""
+        if self.needs_targets:
+            raise UserError(
+                f"{what}: routing.strategy=oracle_future_hash routes on the target token (analysis only: "
+                "training and held-out loss); allowed: a run with another routing.strategy"
+            )
+
+    def route_keys(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        before: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Each layer's route keys [B, S] (trmoe.model.context_routing.route_keys), each kind once."""
+        kinds: dict[str, torch.Tensor] = {}
+        out = []
+        for block in self.blocks:
+            kind = block.ffn.route_key
+            if kind not in kinds:
+                kinds[kind] = route_keys(kind, token_ids, positions, before, targets)
+            out.append(kinds[kind])
+        return out
+
+    def forward(
+        self, token_ids: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """token_ids [B, S] -> final normalised hidden states [B, S, H] (feed them to the tied-head loss).
-        With a cache: token_ids are the next S positions after those it holds (decoding, trmoe.generate)."""
+        With a cache: token_ids are the next S positions after those it holds (decoding, trmoe.generate).
+        `targets` [B, S]: only read by a layer that routes on the target (oracle_future_hash)."""
         if cache is not None:
             return self._forward_cached(token_ids, cache)
         seq = token_ids.shape[1]
+        keys = self.route_keys(token_ids, torch.arange(seq, device=token_ids.device), targets=targets)
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         sparse = self.sparse_embedding_grad and not torch.compiler.is_compiling()  # compiled graphs: dense
         h = F.embedding(token_ids, self.embed.weight, sparse=sparse)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
+        for block, key in zip(self.blocks, keys, strict=True):
             if recompute:
-                h = checkpoint(block, h, token_ids, cos, sin, use_reentrant=False)
+                h = checkpoint(block, h, key, cos, sin, use_reentrant=False)
             else:
-                h = block(h, token_ids, cos, sin)
+                h = block(h, key, cos, sin)
         return self._readout(self.norm(h))
 
     def _forward_cached(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         new = token_ids.shape[1]
         positions = cache.positions(new)  # [B, S]: per row, as left padding shifts them (< capacity)
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        keys = self.route_keys(token_ids, positions, cache.last_ids)
         h = self.embed(token_ids)
         for layer, block in enumerate(self.blocks):
-            h = block(h, token_ids, cos, sin, cache, layer)
-        cache.advance(new)
+            h = block(h, keys[layer], cos, sin, cache, layer)
+        cache.advance(new, token_ids[:, -1])
         return self._readout(self.norm(h))
 
     def _readout(self, h: torch.Tensor) -> torch.Tensor:

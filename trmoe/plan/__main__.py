@@ -82,6 +82,18 @@ def _duration(seconds: float) -> str:
     return f"{int(days)} d {hours:.1f} h" if days else f"{hours:.1f} h"
 
 
+def _routing_rows(r: dict) -> list:
+    """The routing section: what the routes read, and the route table's balance (layer 0)."""
+    note = "analysis only: the target token, training and held-out loss alone" if r["analysis_only"] else ""
+    rows: list = [f"routing  ({r['strategy']})", ("routes on", "", note or r["routes_on"])]
+    for what, stats in (("token ids", r["ids"]), ("token occurrences", r["occurrences"])):
+        if stats is not None:
+            value = f"{stats['primary_max_over_mean']:.4f} / {stats['primary_min_over_mean']:.4f}"
+            how = f"max/mean / min/mean per expert, route 0 (all K: {stats['all_max_over_mean']:.4f})"
+            rows.append((f"balance of {what}", value, how))
+    return rows
+
+
 def render(plan: dict) -> str:
     """The plan as an aligned table: section, then (what, value, how) rows."""
     m, hw, b, run, fl, mem, tm = (
@@ -146,6 +158,7 @@ def render(plan: dict) -> str:
             "the terms summed; plus the CUDA context and NCCL, ~1-3 GiB",
         )
     )
+    rows += _routing_rows(plan["routing"])
     rows.append("time")
     if tm["tok_s"] is None:
         rows.append(("throughput", "not given", tm["how_to_measure"]))

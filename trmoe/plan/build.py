@@ -236,10 +236,55 @@ def make_plan(
             "total": flops.total * run_tokens,
         },
         "memory": memory.to_dict(),
+        "routing": routing_plan(cfg, spec),
         "mixture": mixture,
         "time": eta(throughput, flops.total, w.size, tokens_per_step, run_tokens)
         or {"tok_s": None, "how_to_measure": how_to_measure(cfg, choices, overrides, train_command)},
     }
+
+
+def routing_plan(cfg: Config, spec) -> dict:
+    """What the run routes on and, for a route table (a function of the token id), the first table layer's
+    balance (layer 0's without routing.layers): of token ids per expert, and with a token-count file
+    (routing.frequencies, or data.path's token_counts.npy) of token occurrences
+    (trmoe.model.routing.balance_stats: max/mean and min/mean, route 0 and all K routes)."""
+    from trmoe.config.validate import frequencies_path
+    from trmoe.model.routing import REGISTRY, balance_stats, build_route_table, load_token_counts
+
+    # routing.layers: every strategy named once, in layer order; the balance is the first table layer's
+    names = list(dict.fromkeys(spec.strategies))
+    layer = next((i for i, name in enumerate(spec.strategies) if REGISTRY[name].has_table), 0)
+    entry = REGISTRY[spec.strategy_of(layer)]
+    out = {
+        "strategy": ",".join(names),
+        "routes_on": "the hidden state (a learned router)" if entry.learned else f"the {entry.key} id",
+        "analysis_only": any(REGISTRY[name].analysis_only for name in names),
+        "ids": None,
+        "occurrences": None,
+    }
+    if entry.key == "position":
+        out["routes_on"] = "the position"
+    if not entry.has_table or spec.routed_width == 0 or spec.num_experts < 2:
+        return out
+    path = frequencies_path(cfg)
+    counts = load_token_counts(str(path)) if path is not None and path.is_file() else None
+    if counts is not None and counts.shape != (spec.vocab_size,):
+        counts = None  # not this vocabulary's (validation refuses it where a strategy reads it)
+    table = build_route_table(
+        spec.strategy_of(layer),
+        spec.vocab_size,
+        spec.num_experts,
+        spec.top_k,
+        layer,
+        spec.route_seed,
+        spec.hash_count,
+        counts if entry.needs_frequencies else None,
+        spec.route_embedding,
+    )
+    out["ids"] = balance_stats(table, spec.num_experts)
+    if counts is not None:
+        out["occurrences"] = balance_stats(table, spec.num_experts, counts)
+    return out
 
 
 MODEL_KEYS = (

@@ -77,7 +77,19 @@ def group_arms(runs: list[Run]) -> list[Arm]:
         if ident not in arms:
             arms[ident] = Arm(label, values, [])
         arms[ident].runs.append(run)
+    for arm in arms.values():
+        if any(_analysis_only(r) for r in arm.runs):
+            arm.label += " (analysis only)"
     return list(arms.values())
+
+
+def _analysis_only(run: Run) -> bool:
+    """The run routes on what inference does not have (oracle_future_hash: the target token): its loss is an
+    upper bound for analysis, not a model to compare as one."""
+    from trmoe.model.routing import REGISTRY
+
+    entry = REGISTRY.get(str(run.config_value("routing.strategy")))
+    return entry is not None and entry.analysis_only
 
 
 def _is_dense(arm: Arm) -> bool:

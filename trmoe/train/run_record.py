@@ -106,7 +106,17 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
+            "route_embedding": _route_embedding(spec),  # clustered/dispersed_hash: file, sha256, shape
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),
         },
     )
+
+
+def _route_embedding(spec) -> dict | None:
+    """The token embedding clustered_hash/dispersed_hash built their tables from: file and content hash."""
+    if spec.route_embedding is None:
+        return None
+    from trmoe.model.embedding_routing import embedding_record
+
+    return embedding_record(spec.route_embedding, spec.vocab_size)

@@ -29,6 +29,8 @@ class TRMoEConfig(PretrainedConfig):
         shared_scales: list[float] | None = None,
         routed_scales: list[float] | None = None,
         routing_strategy: str = "modulo_cyclic",
+        route_key: str = "token",
+        route_salts: list[int] | None = None,
         rms_norm_eps: float = 1e-6,
         use_cache: bool = True,
         bos_token_id: int = 199999,
@@ -54,6 +56,8 @@ class TRMoEConfig(PretrainedConfig):
         self.shared_scales = list(shared_scales or [1.0] * num_hidden_layers)
         self.routed_scales = list(routed_scales or [1.0] * num_hidden_layers)
         self.routing_strategy = routing_strategy  # informative: the route tables themselves are weights
+        self.route_key = route_key  # token: the route tables; prev | bigram | position: hashed per batch
+        self.route_salts = list(route_salts or [])  # per layer, the hash's salt (route_key other than token)
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
         kwargs["tie_word_embeddings"] = False  # the head reads model.embed.weight directly: nothing to tie

@@ -6,7 +6,12 @@
 
     FFN(x, t) = a·g_s·S(x) + b·g_r·Σ_k w_k·E_{r_k(t)}(x)
     S, E_e: SwiGLU (silu(x W_g) ⊙ x W_u) W_d, gate and up fused as w_in = [W_g | W_u]
-    r_k(t): expert k of input token id t in the layer's fixed route table ([K, vocab], model.safetensors)
+    r_k(t): expert k of input token id t in the layer's fixed route table ([K, vocab], model.safetensors);
+            or, with config.route_key other than "token", the affine hash of the position's route key
+            (the previous id, the (previous, current) pair or the position; trmoe/model/context_routing.py
+            has the formulas and this file repeats them, standalone):
+              base = mix32(x ^ s) mod E, stride = units[mix32(x + (s ^ 0x85EBCA77)) mod |units|],
+              r_k = (base + k stride) mod E, s = config.route_salts[layer]
     w_0 = p, w_k = (1 - p)/(K - 1);  g: learnable scalar gates;  a, b: fixed per-layer scales
 
 Attention: bias-free fused q/k/v, per-head RMSNorm on q and k, rotate-half RoPE over the full head dimension,
@@ -14,6 +19,8 @@ causal SDPA with key/value heads shared by groups of query heads. Decoding uses 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,38 @@ from .configuration_trmoe import TRMoEConfig
 
 # transformers renamed past_key_values to cache (5.2x); take and return whichever this version uses
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+_M32 = 0xFFFFFFFF
+FIRST = 0xFFFFFFFF  # the previous id of position 0
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """x ^= x>>16; x *= 0x7FEB352D; x ^= x>>15; x *= 0x846CA68B; x ^= x>>16 (mod 2^32), int64 tensors."""
+    x = x & _M32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def route_keys(kind: str, ids: torch.Tensor, positions: torch.Tensor, before: torch.Tensor | None):
+    """[B, S] route keys: the ids ("token"), the previous id ("prev"; FIRST at position 0), the pair
+    mix32(prev ^ 0x27D4EB2F) ^ id ("bigram"), or the position ("position")."""
+    if kind == "token":
+        return ids
+    if kind == "position":
+        return positions.expand_as(ids).long()
+    first = ids.new_full((ids.shape[0], 1), FIRST) if before is None else before.view(-1, 1)
+    prev = torch.where(positions.expand_as(ids) == 0, FIRST, torch.cat([first, ids[:, :-1]], dim=1))
+    if kind == "prev":
+        return prev
+    if kind == "bigram":
+        return mix32(prev ^ 0x27D4EB2F) ^ ids
+    raise ValueError(f"route_key {kind!r}: this exported model code knows token, prev, bigram, position")
 
 
 class RMSNorm(nn.Module):
@@ -97,22 +136,35 @@ class SharedExpert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, config: TRMoEConfig):
+    def __init__(self, config: TRMoEConfig, layer_idx: int):
         super().__init__()
         E, H, W = config.num_experts, config.hidden_size, config.routed_width // config.num_experts
         self.w_in = nn.Parameter(torch.empty(E, H, 2 * W))
         self.w_out = nn.Parameter(torch.empty(E, W, H))
         table_dtype = torch.uint8 if E <= 256 else torch.int16
-        self.register_buffer(
-            "route_table", torch.zeros(config.num_experts_per_tok, config.vocab_size, dtype=table_dtype)
-        )
+        self.salt = None
+        if config.route_key == "token":
+            shape = (config.num_experts_per_tok, config.vocab_size)
+            self.register_buffer("route_table", torch.zeros(shape, dtype=table_dtype))
+        else:
+            self.route_table, self.salt = None, config.route_salts[layer_idx]
+            # a plain list: transformers builds the model on the meta device, where a buffer that is not in
+            # the weights file would stay unset
+            self.units = [u for u in range(1, E) if math.gcd(u, E) == 1] or [0]
         K, p = config.num_experts_per_tok, config.primary_weight
         self.route_weights = [1.0] if K == 1 else [p] + [(1.0 - p) / (K - 1)] * (K - 1)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, factor) -> torch.Tensor:
         """x [N, H], token_ids [N] -> factor · Σ_k w_k E_{r_k(t)}(x): each token through its K experts."""
         out = torch.zeros_like(x)
-        routes = self.route_table[:, token_ids].long()  # [K, N]
+        if self.salt is None:
+            routes = self.route_table[:, token_ids].long()  # [K, N]
+        else:  # token_ids are the route keys here
+            base = mix32(token_ids ^ self.salt) % self.w_in.shape[0]
+            units = torch.tensor(self.units, device=x.device)
+            stride = units[mix32(token_ids + (self.salt ^ 0x85EBCA77)) % units.shape[0]]
+            k = torch.arange(len(self.route_weights), device=x.device).unsqueeze(1)
+            routes = (base + k * stride) % self.w_in.shape[0]
         for k, weight in enumerate(self.route_weights):
             for e in range(self.w_in.shape[0]):
                 rows = (routes[k] == e).nonzero().squeeze(-1)
@@ -128,7 +180,7 @@ class FFN(nn.Module):
         self.shared = (
             SharedExpert(config.hidden_size, config.shared_width) if config.shared_width > 0 else None
         )
-        self.routed = RoutedExperts(config) if config.routed_width > 0 else None
+        self.routed = RoutedExperts(config, layer_idx) if config.routed_width > 0 else None
         gated = config.gates and self.shared is not None and self.routed is not None
         self.shared_gate = nn.Parameter(torch.ones(())) if gated else None
         self.routed_gate = nn.Parameter(torch.ones(())) if gated else None
@@ -207,9 +259,14 @@ class TRMoEModel(TRMoEPreTrainedModel):
             if attention_mask is not None:
                 real = attention_mask[:, -(past + S) :].bool().view(B, 1, 1, -1)
                 mask = mask & (real | (key == query))
+        # a route key reading the previous id takes, at a decoding step, the last id of the call before
+        before = getattr(cache, "trmoe_last_ids", None) if past > 0 else None
+        keys = route_keys(self.config.route_key, input_ids, position_ids, before)
+        if cache is not None:
+            cache.trmoe_last_ids = input_ids[:, -1]
         h = self.embed(input_ids)
         for block in self.blocks:
-            h = block(h, input_ids, cos, sin, mask, cache)
+            h = block(h, keys, cos, sin, mask, cache)
         return self.norm(h)
 
 

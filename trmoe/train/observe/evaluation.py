@@ -50,7 +50,7 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
     for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         with env.autocast(device, amp_dtype):
-            hidden = model(inputs)
+            hidden = model(inputs, targets=targets) if model.needs_targets else model(inputs)
         sums = chunked_tied_ce(hidden, model.head_weight, targets, chunk_tokens=cfg.loss.chunk_tokens)
         ce += sums.ce.to(ce.dtype)
         tokens += sums.tokens
