@@ -191,9 +191,9 @@ def watch_training(monkeypatch) -> list[dict]:
 
             model.blocks[0].attn.forward = counted
 
-        def forward(self, inputs):
+        def forward(self, inputs, targets=None):
             runs[-1]["hooks"].append(module_hooks(self.model))
-            return super().forward(inputs)
+            return super().forward(inputs, targets)
 
     monkeypatch.setattr(moe, "swiglu", swiglu)
     monkeypatch.setattr(trainer, "Objective", Watched)

@@ -62,15 +62,17 @@ class Objective:
         """The objective of one micro-batch, and its loss sums. Normalised by the tokens of the whole
         accumulated batch: accumulation equals one larger batch (and every rank has as many tokens, so
         DDP's gradient mean is the global batch's). The penalty joins once per step, on the last one."""
-        sums = self.loss(self.forward(inputs, targets), targets)
+        # the targets go into the forward only where the routes read them (oracle_future_hash)
+        hidden = self.forward(inputs, targets) if self.model.needs_targets else self.forward(inputs)
+        sums = self.loss(hidden, targets)
         return self.total(sums, step_tokens, micro_batches, last), sums
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The training forward (telemetry counts it when on); the targets go in only for a model that routes
-        on them (oracle_future_hash), so every other model's forward is called as before."""
+        """The training forward (telemetry counts it when on); `targets` only for a model whose routes read
+        them (oracle_future_hash)."""
         recording = self.telemetry.recording() if self.telemetry is not None else contextlib.nullcontext()
         with recording, env.autocast(self.device, self.amp_dtype):
-            if targets is not None and self.model.needs_targets:
+            if targets is not None:
                 return self.train_model(inputs, targets=targets)
             return self.train_model(inputs)
 
