@@ -74,8 +74,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         assert cfg.attention.kind.value == option
         expected = {"mha": cfg.model.num_heads, "mqa": 1, "gqa": cfg.model.num_kv_heads}[option]
         assert spec.num_kv_heads == expected
-    if group == "routing":
-        assert cfg.routing.strategy.value == option
+    if group == "routing":  # a strategy's preset, or a per-layer mix (routing.layers) of them
+        assert cfg.routing.strategy.value == option or set(spec.strategies) >= {"learned", "balanced_hash"}
 
 
 def test_schema_rejects_unknown_keys_and_bad_values():
@@ -155,6 +155,11 @@ def test_cross_field_rules_name_the_key(overrides, key):
         (["data=text", "data.text_path=does/not/exist.txt"], "does/not/exist.txt"),
         (["hardware=cuda"], "hardware=cuda"),
         (["model.vocab_size=1000"], "model.vocab_size=1000"),
+        (["routing=hybrid_first_k", "routing.layers.0.last=2"], "routing.layers[0]={first: 0, last: 2}"),
+        (
+            ["routing.layers=[{first: 0, last: 1, strategy: random},{first: 1, last: 1, strategy: random}]"],
+            "routing.layers[1]={first: 1, last: 1}: overlaps routing.layers[0] at layer 1",
+        ),
     ],
 )
 def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, needle):
@@ -181,7 +186,7 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (
             ["arm=nope"],
             "allowed: attention_matched/..., hash_vs_learned/..., roller_hash_table/..., "
-            "routing_ablation/..., topk/...",
+            "router_persistence/..., routing_ablation/..., topk/...",
         ),
         (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
         (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),

@@ -16,6 +16,7 @@ Exit code 2 when an arm does not resolve (its row shows the error).
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 
@@ -47,10 +48,23 @@ def _ffn_text(spec) -> str:
         return f"dense {spec.shared_width + spec.routed_width}"
     from trmoe.model.routing import REGISTRY
 
-    if REGISTRY[spec.strategy].learned:  # its router's E x H per layer is in total and active
-        routes = f"learned top-{spec.top_k}, router {spec.num_experts}x{spec.hidden_size}"
-    else:
-        routes = f"top-{spec.top_k}" + (f" p={spec.primary_weight:g}" if spec.top_k > 1 else "")
+    routes = f"top-{spec.top_k}"
+    if not all(REGISTRY[s].learned for s in spec.strategies):  # a table somewhere: its fixed weights
+        routes += f" p={spec.primary_weight:g}" if spec.top_k > 1 else ""
+    if spec.layer_strategies:  # routing.layers: each run of layers with its strategy, "0-2:balanced_hash"
+        spans, layer = [], 0
+        for name, run in itertools.groupby(spec.strategies):
+            n = len(list(run))
+            spans.append(f"{layer}-{layer + n - 1}:{name}" if n > 1 else f"{layer}:{name}")
+            layer += n
+        routes += ", " + " ".join(spans)
+    elif REGISTRY[spec.strategy].learned:  # one router strategy in every layer: its name
+        routes = f"{spec.strategy} {routes}"
+    trained = sum(REGISTRY[s].router == "trained" for s in spec.strategies)
+    if trained:  # a trained router's E x H per layer is in total and active (a frozen one is not counted)
+        routes += f", router {spec.num_experts}x{spec.hidden_size}" + (
+            f" in {trained} layers" if trained < spec.num_layers else ""
+        )
     return f"{spec.shared_width} + {spec.num_experts}x{spec.expert_width}, {routes}"
 
 

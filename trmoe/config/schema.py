@@ -260,11 +260,23 @@ class AttentionConfig:
 
 
 @dataclass
-class RoutingConfig:
-    """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or, with
-    strategy=learned, a linear router over the FFN input (docs/routing.md)."""
+class LayerRoutingConfig:
+    """One entry of routing.layers: decoder layers `first`..`last` (0-based, both included) route by
+    `strategy` (`{first: 0, last: 2, strategy: balanced_hash}`); every other routing key is routing.*'s.
+    Ranges must lie in 0..model.num_layers-1 and be disjoint; the layers no range covers use
+    routing.strategy."""
 
-    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # route-table construction, or learned
+    first: int = MISSING  # first layer of the range, 0-based
+    last: int = MISSING  # last layer of the range, included
+    strategy: RoutingStrategy = MISSING  # a route table or a router, as routing.strategy
+
+
+@dataclass
+class RoutingConfig:
+    """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or a linear
+    router over the FFN input (strategy learned, frozen_router, rerandomised_router; docs/routing.md)."""
+
+    strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # a route-table construction, or a router
     top_k: int = 2  # K distinct experts per token
     primary_weight: float = 0.5  # p: weight of route 0; routes 1..K-1 get (1-p)/(K-1); K=1 forces 1
     primary_weight_final: float | None = None  # if set, p ramps primary_weight -> this; None = constant
@@ -274,8 +286,9 @@ class RoutingConfig:
     hash_count: int = 2  # multi_hash only: number of hash functions that vote
     frequencies: str | None = None  # frequency_balanced_secondary: token counts .npy; None = data.path's
     embedding: str | None = None  # clustered/dispersed_hash: [V, H] token embedding file; others ignore it
-    aux_weight: float = 0.01  # learned only: weight of the load-balancing loss (layer mean); 0 = off
-    z_weight: float = 0.0  # learned only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
+    aux_weight: float = 0.01  # routers only: weight of the load-balancing loss (layer mean); 0 = off
+    z_weight: float = 0.0  # routers only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
+    layers: list[LayerRoutingConfig] = field(default_factory=list)  # per-layer ranges: routing.layers[] below
 
 
 @dataclass

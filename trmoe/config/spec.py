@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trmoe.config.schema import Config
-from trmoe.config.validate import frequencies_path, kv_heads
+from trmoe.config.validate import frequencies_path, kv_heads, layer_strategies, needs_frequencies
 from trmoe.model.routing import REGISTRY
 from trmoe.model.spec import ModelSpec
 
@@ -22,7 +22,7 @@ def depth_scales(first: float, last: float | None, num_layers: int) -> tuple[flo
 
 
 def _route_frequencies(cfg: Config) -> str | None:
-    if not REGISTRY[cfg.routing.strategy.value].needs_frequencies:
+    if not needs_frequencies(cfg):
         return None
     path = frequencies_path(cfg)
     return str(path) if path is not None else None
@@ -31,7 +31,8 @@ def _route_frequencies(cfg: Config) -> str | None:
 def _route_embedding(cfg: Config) -> str | None:
     """routing.embedding as an absolute path (read where the model is built), for the strategies that read
     it."""
-    if not REGISTRY[cfg.routing.strategy.value].needs_embedding or not cfg.routing.embedding:
+    reads = any(REGISTRY[name].needs_embedding for name in layer_strategies(cfg))
+    if not reads or not cfg.routing.embedding:
         return None
     return str(Path(cfg.routing.embedding).expanduser().absolute())
 
@@ -87,5 +88,6 @@ def model_spec(cfg: Config) -> ModelSpec:
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
         route_embedding=_route_embedding(cfg),
+        layer_strategies=layer_strategies(cfg) if cfg.routing.layers else (),
         **mup_fields(cfg),
     )

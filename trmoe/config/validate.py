@@ -26,6 +26,7 @@ from trmoe.config.schema import (
     ModelInit,
     MuonScope,
     OptimizerName,
+    RoutingStrategy,
     SampleOrder,
     SpikePolicy,
     check_run_name,
@@ -273,12 +274,13 @@ def _validate_mup(cfg: Config) -> None:
             f"must be a multiple of model.num_heads={m.num_heads} (the base head dim sets the attention "
             "scale)",
         )
-    if REGISTRY[cfg.routing.strategy.value].learned:
+    routers = [name for name in layer_strategies(cfg) if REGISTRY[name].learned]
+    if routers:
         _fail(
             "model.parametrization",
             "mup",
-            "routing.strategy=learned is not supported under mup (its router has no muP rule here); "
-            "allowed: a fixed route-table strategy, or model.parametrization=sp",
+            f"routing.strategy={routers[0]} is not supported under mup (a router has no muP "
+            "rule here); allowed: a fixed route-table strategy, or model.parametrization=sp",
         )
     if m.init != ModelInit.default:
         _fail(
@@ -483,6 +485,30 @@ def frequencies_path(cfg: Config) -> Path | None:
     return None
 
 
+def layer_strategies(cfg: Config) -> tuple[str, ...]:
+    """Every layer's routing strategy: routing.layers' ranges over routing.strategy. A range outside
+    0..model.num_layers-1, with first > last, or sharing a layer with an earlier range is a UserError."""
+    layers, r = cfg.model.num_layers, cfg.routing
+    out = [r.strategy.value] * layers
+    owner: list[int | None] = [None] * layers
+    for i, entry in enumerate(r.layers):
+        key, value = f"routing.layers[{i}]", f"{{first: {entry.first}, last: {entry.last}}}"
+        if not 0 <= entry.first <= entry.last < layers:
+            _fail(key, value, f"needs 0 <= first <= last <= {layers - 1} (model.num_layers={layers})")
+        for layer in range(entry.first, entry.last + 1):
+            if owner[layer] is not None:
+                clash = f"overlaps routing.layers[{owner[layer]}] at layer {layer}; allowed: disjoint ranges"
+                _fail(key, value, clash)
+            owner[layer] = i
+            out[layer] = RoutingStrategy(entry.strategy).value
+    return tuple(out)
+
+
+def needs_frequencies(cfg: Config) -> bool:
+    """Some layer's strategy reads token counts (routing.frequencies)."""
+    return any(REGISTRY[name].needs_frequencies for name in layer_strategies(cfg))
+
+
 def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
     """routing.embedding: where the strategy reads it, a readable [V, H] token embedding (the others ignore
     it: one grid sets it for all its arms)."""
@@ -505,37 +531,37 @@ def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
 
 
 def _validate_strategy(cfg: Config) -> None:
-    """What a routing strategy needs (trmoe/model/routing.py REGISTRY)."""
+    """What the routing strategies of the layers need (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
-    name = r.strategy.value
-    entry = REGISTRY[name]
     for key in ("aux_weight", "z_weight"):
         if getattr(r, key) < 0:
             _fail(f"routing.{key}", getattr(r, key), "must be >= 0 (0 = off)")
-    if entry.learned and (m.routed_width == 0 or m.num_experts < 2):
-        _fail(
-            "routing.strategy",
-            name,
-            "a learned router needs model.num_experts >= 2 and model.routed_width > 0",
-        )
-    if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
-        _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
-    if entry.analysis_only and cfg.downstream.tasks:
-        _fail(
-            "downstream.tasks",
-            list(cfg.downstream.tasks),
-            f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
-            "loss); allowed: [] (no downstream evaluation)",
-        )
-    _validate_embedding(cfg, name, entry.needs_embedding)
-    if r.frequencies and not entry.needs_frequencies:
+    names = list(dict.fromkeys(layer_strategies(cfg)))
+    for name in names:
+        entry = REGISTRY[name]
+        if entry.learned and (m.routed_width == 0 or m.num_experts < 2):
+            needs = "a router needs model.num_experts >= 2 and model.routed_width > 0"
+            _fail("routing.strategy", name, needs)
+        if name == "balanced_hash_all_tuples" and tuple_count(m.num_experts, r.top_k) > MAX_TUPLES:
+            _fail("routing.strategy", name, f"E!/(E-K)! ordered tuples must be at most {MAX_TUPLES}")
+        if entry.analysis_only and cfg.downstream.tasks:
+            _fail(
+                "downstream.tasks",
+                list(cfg.downstream.tasks),
+                f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
+                "loss); allowed: [] (no downstream evaluation)",
+            )
+    embedded = [name for name in names if REGISTRY[name].needs_embedding]
+    _validate_embedding(cfg, embedded[0] if embedded else names[0], bool(embedded))
+    if r.frequencies and not needs_frequencies(cfg):
         _fail(
             "routing.frequencies",
             r.frequencies,
-            f"only read by frequency_balanced_secondary (strategy: {name})",
+            f"only read by frequency_balanced_secondary (strategies: {', '.join(names)})",
         )
-    if not entry.needs_frequencies:
+    if not needs_frequencies(cfg):
         return
+    name = next(n for n in names if REGISTRY[n].needs_frequencies)
     path = frequencies_path(cfg)
     if path is None or not path.is_file():
         where = "not found: " + str(path) if path else "none given"

@@ -224,11 +224,11 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
     check_out(out, fmt)
     from trmoe.model.routing import REGISTRY
 
-    if fmt == "hf" and REGISTRY[loaded.spec.strategy].learned:
+    routers = [name for name in loaded.spec.strategies if REGISTRY[name].learned]
+    if fmt == "hf" and routers:
         raise UserError(
-            f"--format hf: {loaded.checkpoint} routes with a learned router (routing.strategy="
-            f"{loaded.spec.strategy}); the exported model code supports fixed route tables only; allowed: "
-            "--format safetensors"
+            f"--format hf: {loaded.checkpoint} routes with a router (routing.strategy={routers[0]}); the "
+            "exported model code supports fixed route tables only; allowed: --format safetensors"
         )
     loaded.model.refuse_analysis_only(f"export of {loaded.checkpoint}")
     model = loaded.model.to(device="cpu", dtype=torch.float32)

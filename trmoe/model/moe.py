@@ -20,8 +20,8 @@ device: no host sync), in one of two ways, fixed per layer by its route table:
     gate x scale multiply the narrow [rows, W] activation, and one index_add sums each token's K rows.
 Either way the routed rows are summed straight into the shared expert's output.
 
-routing.strategy=learned (the control): r_k and w_k come from a learned linear router instead of the table
-and p (TRMoEFFN._route); its rows go by expert.
+The router strategies (the controls: learned, frozen_router, rerandomised_router): r_k and w_k come from a
+linear router instead of the table and p (TRMoEFFN._route); its rows go by expert.
 
 Over 400 lines on purpose: the FFN's formula, its two dispatch paths and the learned router share the
 branch's weights and gates; they are read together to check that both paths compute the formula above.
@@ -35,7 +35,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.context_routing import hash_routes, units_tensor
-from trmoe.model.routing import REGISTRY, build_route_table, layer_salt, load_token_counts, tuple_grouping
+from trmoe.model.routing import (
+    REGISTRY,
+    build_route_table,
+    draw_router,
+    layer_salt,
+    load_token_counts,
+    tuple_grouping,
+)
 from trmoe.model.spec import ModelSpec
 
 
@@ -178,7 +185,8 @@ class RoutedExperts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, spec.hidden_size, 2 * width))
         self.w_out = nn.Parameter(torch.empty(num_experts, width, spec.hidden_size))
         self._last_routes: torch.Tensor | None = None  # a learned router's routes of the last forward
-        entry = REGISTRY[spec.strategy]
+        strategy = spec.strategy_of(layer)
+        entry = REGISTRY[strategy]
         # a hashed key (trmoe.model.context_routing): routes = hash_routes(key, salt), no table
         self.hash_salt = layer_salt(spec.route_seed, layer) if entry.hashed else None
         self.register_buffer(
@@ -192,7 +200,7 @@ class RoutedExperts(nn.Module):
         else:
             freq = load_token_counts(spec.route_frequencies) if spec.route_frequencies else None
             table = build_route_table(
-                spec.strategy,
+                strategy,
                 spec.vocab_size,
                 num_experts,
                 top_k,
@@ -341,21 +349,36 @@ class RoutedExperts(nn.Module):
 
 
 class TRMoEFFN(nn.Module):
-    """The FFN of one layer, built from the model spec (see the module docstring for its formula). With
-    routing.strategy=learned a linear router replaces the route table and p:
+    """The FFN of one layer, built from the model spec (see the module docstring for its formula). With a
+    router strategy (learned, frozen_router, rerandomised_router) a linear router replaces the table and p:
 
         P = softmax(x W_r^T)  (at least fp32),   r_k = the K largest of P,   w_k = P_{r_k} / sum_j P_{r_j}
 
-    and each forward leaves its two router loss terms (see `router_losses`) for the objective."""
+    and each forward leaves its two router loss terms (see `router_losses`) for the objective. W_r [E, H]
+    is a parameter (learned), a parameter that never takes a gradient (frozen_router: requires_grad False,
+    so no optimizer holds it and parameter counts leave it out, as they leave out route tables), or a
+    persistent buffer redrawn before every optimizer step (rerandomised_router, `redraw_router`)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.shared = SharedExpert(spec.hidden_size, spec.shared_width) if spec.shared_width > 0 else None
         self.routed = RoutedExperts(spec, layer) if spec.routed_width > 0 else None
-        learned = REGISTRY[spec.strategy].learned and self.routed is not None
-        self._route_key = (REGISTRY[spec.strategy].key or "token") if self.routed is not None else "token"
-        # [E, H]: in the base parameter group (it is not an expert), as the reference's router.weight
-        self.router = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size)) if learned else None
+        kind = REGISTRY[spec.strategy_of(layer)].router if self.routed is not None else ""
+        self.router_kind = kind  # "" (a route table), "trained", "frozen" or "rerandomised"
+        self._redraw = (spec.route_seed, layer, spec.init_std)  # rerandomised_router's draw arguments
+        shape = (spec.num_experts, spec.hidden_size)
+        if kind == "rerandomised":
+            self.router = None
+            self.register_buffer("router_draw", torch.empty(shape))
+            if self.router_draw.device.type != "meta":
+                self.redraw_router(0)
+        else:
+            # [E, H]: in the base parameter group (it is not an expert), as the reference's router.weight; a
+            # frozen one is drawn by reset_parameters exactly as a trained one (same place in the order)
+            trained = kind == "trained"
+            self.router = nn.Parameter(torch.empty(shape), requires_grad=trained) if kind else None
+        key = REGISTRY[spec.strategy_of(layer)].key
+        self._route_key = (key or "token") if self.routed is not None else "token"
         self.router_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (aux, z) of the last forward
         # the gates weigh the two branches against each other: with one branch there is nothing to weigh (a
         # lone gate would only rescale what the branch's output weight already can; the reference has none)
@@ -379,7 +402,7 @@ class TRMoEFFN(nn.Module):
         if self.shared is not None:
             y = self.shared(x, _factor(self.shared_scale, self.shared_gate))
         if self.routed is not None:
-            routing = self._route(x) if self.router is not None else None
+            routing = self._route(x) if self.router_kind else None
             # the routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of
             # their own, no extra add: ~2% of a panel-A FFN on CPU)
             y = self.routed(
@@ -394,8 +417,9 @@ class TRMoEFFN(nn.Module):
             z   = mean_n logsumexp(logits_n)^2
 
         over this micro-batch (the reference's Switch/GShard form; a uniform router gives aux = 1)."""
-        experts, top_k = self.router.shape[0], self.routed.top_k
-        logits = x @ self.router.t().to(x.dtype)
+        router = self.router if self.router is not None else self.router_draw
+        experts, top_k = router.shape[0], self.routed.top_k
+        logits = x @ router.t().to(x.dtype)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 autocast)
         probs = logits.softmax(dim=-1)  # [N, E]
         top_p, top_e = probs.topk(top_k, dim=-1)
@@ -407,6 +431,16 @@ class TRMoEFFN(nn.Module):
         z = torch.logsumexp(logits, dim=-1).square().mean()
         self.router_terms = (aux, z)
         return top_e.t(), weights.t().to(x.dtype)
+
+    def redraw_router(self, step: int) -> None:
+        """rerandomised_router: draw this optimizer step's W_r (routing.draw_router, a pure function of
+        (routing.seed, layer, step)); a no-op for the other strategies."""
+        if self.router_kind != "rerandomised":
+            return
+        seed, layer, std = self._redraw
+        w = draw_router(seed, layer, step, *self.router_draw.shape, std)
+        with torch.no_grad():
+            self.router_draw.copy_(w)
 
 
 def _factor(scale: float, gate: torch.Tensor | None) -> torch.Tensor | float:

@@ -45,7 +45,11 @@ order of the ids), ``balanced_secondary`` and ``frequency_balanced_secondary`` (
 secondaries chosen greedily to balance id counts, or token occurrences). ``learned`` has no table (the
 router is in trmoe/model/moe.py), nor have ``bigram_hash``, ``prev_token_hash``, ``position_hash`` and
 ``oracle_future_hash``: they hash another key of each position on the fly
-(trmoe/model/context_routing.py). ``REGISTRY`` is the one list of strategies: the config schema, its
+(trmoe/model/context_routing.py). The router strategies route on the hidden state: ``learned`` trains its
+``W_r`` [E, H]; ``frozen_router`` keeps ``W_r`` at its init (drawn as ``learned``'s is), never updated;
+``rerandomised_router`` draws a fresh ``W_r ~ N(0, init_std^2)`` before every optimizer step from a
+``torch.Generator`` seeded by ``router_step_seed(seed, layer, step) = mix32(salt ^ mix32(step))``, so a
+resumed run draws the same routers. ``REGISTRY`` is the one list of strategies: the config schema, its
 validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
@@ -83,8 +87,10 @@ __all__ = [
     "STRATEGIES",
     "balance_stats",
     "build_route_table",
+    "draw_router",
     "layer_salt",
     "mix32",
+    "router_step_seed",
     "route_counts",
 ]
 
@@ -139,6 +145,21 @@ def layer_salt(seed: int, layer: int) -> int:
     """Per-layer 32-bit salt: ``mix32(mix32(seed) ^ (layer * 0x9E3779B1 mod 2^32))``.
     The seed is taken modulo 2^32."""
     return mix32(mix32(seed) ^ ((layer * _GOLDEN) & _M32))
+
+
+def router_step_seed(seed: int, layer: int, step: int) -> int:
+    """The seed of ``rerandomised_router``'s draw for (layer, optimizer step): ``mix32(salt ^ mix32(step))``
+    with ``salt = layer_salt(seed, layer)``; a pure function of the three, so a resume repeats it."""
+    return mix32(layer_salt(seed, layer) ^ mix32(step))
+
+
+def draw_router(seed: int, layer: int, step: int, experts: int, hidden: int, std: float) -> torch.Tensor:
+    """``rerandomised_router``'s router of one step: ``W_r ~ N(0, std^2)`` [E, H] float32 on the CPU, drawn by
+    a ``torch.Generator`` seeded with ``router_step_seed(seed, layer, step)`` (never the global generator)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(router_step_seed(seed, layer, step))
+    return torch.randn(experts, hidden, generator=gen) * std
 
 
 def _rng(salt: int) -> np.random.Generator:
@@ -425,9 +446,11 @@ class Strategy:
     # table), or a key hashed on the fly (no table: build is None); None: a learned router (the hidden state)
     key: str | None = "token"
     analysis_only: bool = False  # routes on what inference does not have (the target): loss forwards only
+    router: str = ""  # routers only (key None): "trained", "frozen" or "rerandomised" (see the module doc)
 
     @property
     def learned(self) -> bool:
+        """Routes by a router over the hidden state (trained, frozen or re-randomised)."""
         return self.key is None
 
     @property
@@ -548,6 +571,25 @@ REGISTRY: dict[str, Strategy] = {
         "input-dependent",
         "`--mlp-type learned_router` (a linear router, softmax, top-K)",
         key=None,
+        router="trained",
+    ),
+    "frozen_router": Strategy(
+        None,
+        "none trained (the random router's own)",
+        "a router per layer, frozen at its init",
+        "input-dependent",
+        "new: Fan et al. 2024's frozen random-init router (a control)",
+        key=None,
+        router="frozen",
+    ),
+    "rerandomised_router": Strategy(
+        None,
+        "statistical (a fresh random router per step)",
+        "a router per layer, redrawn every step",
+        "input-dependent",
+        "new: Fan et al. 2024's router re-randomised every step (a control)",
+        key=None,
+        router="rerandomised",
     ),
 }
 

@@ -43,6 +43,16 @@ class ModelSpec:
     mup_shared_mult: float = 1.0  # mup: shared_width / mup_base_shared_width
     mup_routed_mult: float = 1.0  # mup: routed_width / mup_base_routed_width
     mup_base_head_dim: int = 0  # mup: mup_base_width / num_heads (the attention scale's d_0)
+    layer_strategies: tuple[str, ...] = ()  # routing.layers resolved: layer l's strategy; () = all `strategy`
+
+    def strategy_of(self, layer: int) -> str:
+        """The routing strategy of layer `layer` (routing.layers, else routing.strategy)."""
+        return self.layer_strategies[layer] if self.layer_strategies else self.strategy
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """Every layer's routing strategy, in layer order."""
+        return tuple(self.strategy_of(layer) for layer in range(self.num_layers))
 
     @property
     def head_dim(self) -> int:

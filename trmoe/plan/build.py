@@ -244,17 +244,21 @@ def make_plan(
 
 
 def routing_plan(cfg: Config, spec) -> dict:
-    """What the run routes on and, for a route table (a function of the token id), layer 0's balance: of token
-    ids per expert, and with a token-count file (routing.frequencies, or data.path's token_counts.npy) of
-    token occurrences (trmoe.model.routing.balance_stats: max/mean and min/mean, route 0 and all K routes)."""
+    """What the run routes on and, for a route table (a function of the token id), the first table layer's
+    balance (layer 0's without routing.layers): of token ids per expert, and with a token-count file
+    (routing.frequencies, or data.path's token_counts.npy) of token occurrences
+    (trmoe.model.routing.balance_stats: max/mean and min/mean, route 0 and all K routes)."""
     from trmoe.config.validate import frequencies_path
     from trmoe.model.routing import REGISTRY, balance_stats, build_route_table, load_token_counts
 
-    entry = REGISTRY[spec.strategy]
+    # routing.layers: every strategy named once, in layer order; the balance is the first table layer's
+    names = list(dict.fromkeys(spec.strategies))
+    layer = next((i for i, name in enumerate(spec.strategies) if REGISTRY[name].has_table), 0)
+    entry = REGISTRY[spec.strategy_of(layer)]
     out = {
-        "strategy": spec.strategy,
+        "strategy": ",".join(names),
         "routes_on": "the hidden state (a learned router)" if entry.learned else f"the {entry.key} id",
-        "analysis_only": entry.analysis_only,
+        "analysis_only": any(REGISTRY[name].analysis_only for name in names),
         "ids": None,
         "occurrences": None,
     }
@@ -267,11 +271,11 @@ def routing_plan(cfg: Config, spec) -> dict:
     if counts is not None and counts.shape != (spec.vocab_size,):
         counts = None  # not this vocabulary's (validation refuses it where a strategy reads it)
     table = build_route_table(
-        spec.strategy,
+        spec.strategy_of(layer),
         spec.vocab_size,
         spec.num_experts,
         spec.top_k,
-        0,
+        layer,
         spec.route_seed,
         spec.hash_count,
         counts if entry.needs_frequencies else None,

@@ -45,9 +45,12 @@ from trmoe.optim.build import split_param_groups
 FP32 = 4
 
 
-def layer_activation_bytes(spec: ModelSpec, compute_bytes: int, shared_chunked: bool = False) -> int:
-    """Bytes one block saves for its backward, per token. compute_bytes: 2 under bf16/fp16 autocast (GEMM
-    inputs and outputs in that dtype), 4 in fp32. RMSNorm always works in fp32."""
+def layer_activation_bytes(
+    spec: ModelSpec, compute_bytes: int, shared_chunked: bool = False, layer: int = 0
+) -> int:
+    """Bytes block `layer` saves for its backward, per token (its routing strategy decides how its routed
+    rows are grouped). compute_bytes: 2 under bf16/fp16 autocast (GEMM inputs and outputs in that dtype), 4
+    in fp32. RMSNorm always works in fp32."""
     a, f = compute_bytes, FP32
     amp = a < FP32
     h = spec.hidden_size
@@ -68,7 +71,12 @@ def layer_activation_bytes(spec: ModelSpec, compute_bytes: int, shared_chunked: 
         if spec.num_experts == 1:  # dense control: the plain SwiGLU (its input is the shared one in fp32)
             ffn += (a * h if amp or not spec.shared_width else 0) + 4 * a * spec.routed_width
         elif groups_by_tuple(
-            spec.strategy, spec.vocab_size, spec.num_experts, spec.top_k, spec.route_seed, spec.hash_count
+            spec.strategy_of(layer),
+            spec.vocab_size,
+            spec.num_experts,
+            spec.top_k,
+            spec.route_seed,
+            spec.hash_count,
         ):  # by route tuple (trmoe.model.moe): the token rows in tuple order, [gate | up], silu and
             # silu * up of the K experts side by side, and the two int64 row permutations
             ffn += a * h + 4 * a * spec.top_k * spec.expert_width + 2 * 8
@@ -90,12 +98,12 @@ def activation_bytes(spec: ModelSpec, cfg: Config, compute_bytes: int) -> int:
     tokens = t.micro_batch * t.seq_len
     chunk = t.shared_chunk_tokens
     chunked = bool(spec.shared_width) and 0 < chunk < tokens
-    layer = layer_activation_bytes(spec, compute_bytes, chunked)
+    layers = [layer_activation_bytes(spec, compute_bytes, chunked, layer) for layer in range(spec.num_layers)]
     total = tokens * final_activation_bytes(spec)
-    if t.activation_checkpointing:  # block inputs (fp32 residual stream) + one block recomputed
-        total += tokens * (spec.num_layers * FP32 * spec.hidden_size + layer)
+    if t.activation_checkpointing:  # block inputs (fp32 residual stream) + one block recomputed (the largest)
+        total += tokens * (spec.num_layers * FP32 * spec.hidden_size + max(layers))
     else:
-        total += tokens * spec.num_layers * layer
+        total += tokens * sum(layers)
     if chunked:  # one shared-expert chunk recomputed in the backward
         total += chunk * (compute_bytes * spec.hidden_size + 4 * compute_bytes * spec.shared_width)
     return total

@@ -23,6 +23,12 @@ SECTIONS = [
     ("model", schema.ModelConfig, "Model profile: dimensions of the decoder and its TR-MoE FFN."),
     ("attention", schema.AttentionConfig, "Attention type."),
     ("routing", schema.RoutingConfig, "Route tables or a learned router (see docs/routing.md)."),
+    (
+        "routing.layers[]",
+        schema.LayerRoutingConfig,
+        "One entry of `routing.layers`, a per-layer-range strategy (see docs/routing.md): "
+        "`routing.layers=[{first: 0, last: 2, strategy: balanced_hash}]`.",
+    ),
     ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
     ("data", schema.DataConfig, "Training and held-out data."),
     ("data.sources.<name>", schema.MixtureSourceConfig, "One source of `data=mixture` (see docs/data.md)."),

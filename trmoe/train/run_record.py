@@ -71,7 +71,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
         spec.num_experts,
         spec.expert_width,
         spec.top_k,
-        spec.strategy,
+        ",".join(dict.fromkeys(spec.strategies)),
     )
     total = f"{tokens_per_step * t.steps:,}"
     log.info("tokens per step %s, steps %d, total %s tokens", f"{tokens_per_step:,}", t.steps, total)

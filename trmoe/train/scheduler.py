@@ -1,6 +1,6 @@
 """The schedules applied: at the start of every step, the values of trmoe.train.schedule's pure functions
 (LR multiplier, top-k primary weight p, scheduled gates, diversity weight lambda) set on the optimizer and
-the model; and their metrics columns."""
+the model, and a re-randomised router's draw of the step; and their metrics columns."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class Scheduler:
         with torch.no_grad():
             for block in self.model.blocks:
                 ffn = block.ffn
+                ffn.redraw_router(step)  # rerandomised_router: this step's router (a no-op otherwise)
                 if v["primary_weight"] is not None and ffn.routed is not None:
                     if ffn.routed.primary_weight != v["primary_weight"]:
                         ffn.routed.primary_weight = v["primary_weight"]
