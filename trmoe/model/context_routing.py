@@ -41,7 +41,6 @@ _M32 = 0xFFFFFFFF
 _BIGRAM_SALT = 0x27D4EB2F
 # the key kinds (trmoe.model.routing.Strategy.key): token ids index a table, the others are hashed here
 KEY_KINDS = ("token", "prev", "bigram", "position", "target")
-HASHED_KEYS = KEY_KINDS[1:]
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
