@@ -315,7 +315,7 @@ def test_a_full_disk_at_launch_is_one_line_and_leaves_nothing_half_written(tmpfs
             f.write(b"\0" * (6 * 1024 * 1024 - 12 * 1024))
         except OSError:
             pass
-    result = run_cli([*TINY, "run.name=late", "trainer.steps=2"], cwd=tmpfs, timeout=600)
+    result = cli([*TINY, "run.name=late", "trainer.steps=2"], cwd=tmpfs)  # main(argv) in this process
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Logging error" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
