@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
     ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec
-    ("trmoe.runtime", "trmoe.generate"),  # device, ranks, parallel wrapping; decoding
+    ("trmoe.runtime", "trmoe.generate", "trmoe.loss"),  # device, ranks, parallel wrapping; decoding; the loss
     ("trmoe.run",),  # the run directory's lifecycle: launch, checkpoints, records, status, lock, signals
     ("trmoe.optim", "trmoe.load", "trmoe.report", "trmoe.convert", "trmoe.match"),
     ("trmoe.plan", "trmoe.eval", "trmoe.sample", "trmoe.export"),

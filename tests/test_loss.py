@@ -1,4 +1,4 @@
-"""Tests for trmoe.train.loss against torch.nn.functional.cross_entropy on full logits."""
+"""Tests for trmoe.loss.tied against torch.nn.functional.cross_entropy on full logits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from trmoe.train.loss import LossSums, chunked_tied_ce, full_logits_ce
+from trmoe.loss.tied import LossSums, chunked_tied_ce, full_logits_ce
 
 IGNORE = -100
 

@@ -1,4 +1,4 @@
-"""The loss backends behind trmoe.train.loss_backend: each agrees with a full-logits reference, asks for
+"""The loss backends behind trmoe.loss.backend: each agrees with a full-logits reference, asks for
 nothing it cannot do, and the run records the one it used."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from presets import LOSS_FAST as FAST
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import LossBackend, LossConfig
 from trmoe.errors import UserError
+from trmoe.loss.backend import resolve_backend, training_loss
+from trmoe.loss.tied import full_logits_ce
 from trmoe.train.loop import train
-from trmoe.train.loss import full_logits_ce
-from trmoe.train.loss_backend import resolve_backend, training_loss
 
 CPU = torch.device("cpu")
 # the torch backend needs F.linear_cross_entropy (2.13 has it, 2.11 does not); without it, a clear refusal
@@ -176,7 +176,7 @@ def test_liger_matches_full_logits_reference_on_cuda(eps, c):
 def test_compute_dtype_runs_the_head_in_bf16_and_keeps_the_master_gradient_fp32(monkeypatch):
     """An autocast run (bf16 on GPUs) gives the head's GEMMs bf16 operands; the loss and the gradients
     that reach the fp32 hidden states and master weight stay close to the exact float64 reference."""
-    import trmoe.train.loss as loss_mod
+    import trmoe.loss.tied as loss_mod
 
     seen = []
     real_mm = torch.mm

@@ -354,7 +354,7 @@ def test_sparse_embedding_gradient_sums_into_the_tied_heads_dense_gradient():
     """model.sparse_embedding_grad (the train loop's setting on CPU): the tied weight ends the backward with a
     dense gradient equal to the dense path's, and that gradient holds the embedding's rows, not the head's
     alone."""
-    from trmoe.train.loss import chunked_tied_ce
+    from trmoe.loss.tied import chunked_tied_ce
 
     spec = model_spec(to_config(compose_config("model=tiny", "model.vocab_size=512")))
     g = torch.Generator().manual_seed(3)

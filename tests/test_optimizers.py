@@ -14,14 +14,14 @@ from helpers import compose_config, spawn_ranks
 
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
+from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import GroupLRs, OptimizerSet, build_optimizer
 from trmoe.optim.muon import Muon, muon_direction, orthogonalize
+from trmoe.optim.schedule import apply_lr
 from trmoe.optim.stosignsgd import StoSignSGD
 from trmoe.runtime import distributed
-from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.observe.telemetry import MoETelemetry
-from trmoe.train.schedule import apply_lr
 
 CPU = torch.device("cpu")
 OPTIMIZERS = ("adamw", "muon_tr", "stosignsgd")

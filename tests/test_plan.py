@@ -14,13 +14,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
 from trmoe.data.build import global_batch_tokens
+from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.flops import flops_breakdown
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.plan.__main__ import _bytes as _bytes_text
 from trmoe.plan.__main__ import main, render
 from trmoe.plan.build import Throughput, make_plan, parse_count
 from trmoe.plan.memory import layer_activation_bytes
-from trmoe.train.loss import chunked_tied_ce
 
 aten = torch.ops.aten
 

@@ -301,14 +301,14 @@ def test_a_disk_that_fills_mid_run_then_read_only(tmpfs):
     # the same run, its directory now read-only: one line, exit 3, nothing changed
     before = {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
-    again = run_cli(args, cwd=tmpfs, timeout=600)
+    again = cli(args, cwd=tmpfs)  # the error path in this process (main(argv)); the full disk is a child
     assert again.returncode == 3 and "Traceback" not in again.stderr, again.stderr[-3000:]
     lines = again.stderr.strip().splitlines()
     assert len(lines) == 1 and "Read-only file system" in lines[0], lines
     assert {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
     # a report of a read-only sweep directory: one line, exit 2 (and --out elsewhere works)
-    report = run_cli([str(tmpfs / "runs"), "--no-plots", "--quiet"], cwd=tmpfs.parent, module="trmoe.report")
+    report = cli([str(tmpfs / "runs"), "--no-plots", "--quiet"], cwd=tmpfs.parent, module="trmoe.report")
     assert report.returncode == 2 and "Traceback" not in report.stderr, report.stderr[-3000:]
     assert report.stderr.strip().splitlines() == [
         f"trmoe: report: cannot write into {tmpfs / 'runs'} (Read-only file system); use --out DIR to write "
@@ -324,7 +324,7 @@ def test_a_full_disk_at_launch_is_one_line_and_leaves_nothing_half_written(tmpfs
             f.write(b"\0" * (6 * 1024 * 1024 - 12 * 1024))
         except OSError:
             pass
-    result = run_cli([*TINY, "run.name=late", "trainer.steps=2"], cwd=tmpfs, timeout=600)
+    result = cli([*TINY, "run.name=late", "trainer.steps=2"], cwd=tmpfs)  # main(argv) in this process
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Logging error" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -342,7 +342,7 @@ def test_a_read_only_run_directory_is_exit_3_new_or_existing(tmpfs):
     (tmpfs / "runs").mkdir()
     (tmpfs / "empty").mkdir()
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
-    fresh = run_cli([*TINY, "run.name=new", "trainer.steps=1"], cwd=tmpfs)
+    fresh = cli([*TINY, "run.name=new", "trainer.steps=1"], cwd=tmpfs)  # in this process; `made` is a child
     assert fresh.returncode == 3, fresh.stderr[-3000:]
     assert fresh.stderr.strip().splitlines() == [
         "trmoe: cannot create the run directory runs/new: Read-only file system"

@@ -17,9 +17,9 @@ from trmoe.config.schema import DiversityTarget
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
+from trmoe.optim.schedule import build_schedules, check_extension
 from trmoe.train.diversity import expert_diversity
 from trmoe.train.loop import train
-from trmoe.train.schedule import build_schedules, check_extension
 
 FAST = [
     *FAST_CPU,

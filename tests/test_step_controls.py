@@ -16,11 +16,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
+from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.moe import SharedExpert
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.train.loop import train
-from trmoe.train.loss import chunked_tied_ce
 
 FAST = [
     *FAST_CPU,

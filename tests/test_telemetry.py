@@ -14,9 +14,9 @@ from presets import FAST_CPU
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import Progress
 from trmoe.config.spec import model_spec
+from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.train.loop import train
-from trmoe.train.loss import chunked_tied_ce
 from trmoe.train.observe.progress import ProgressReporter
 from trmoe.train.observe.telemetry import MoETelemetry
 

@@ -32,8 +32,8 @@ KINDS = (*(b.value for b in LossBackend), "full")  # the train loop's loss backe
 def _case(kind: str, tokens: int, hidden: int, chunk: int, device: str) -> dict:
     """One loss path, forward and backward, through the loss backends the train loop uses."""
     from trmoe.config.schema import LossConfig
-    from trmoe.train.loss import full_logits_ce
-    from trmoe.train.loss_backend import resolve_backend, training_loss
+    from trmoe.loss.backend import resolve_backend, training_loss
+    from trmoe.loss.tied import full_logits_ce
 
     dev = torch.device(device)
     torch.manual_seed(0)

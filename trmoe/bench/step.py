@@ -47,9 +47,9 @@ class Arm:
         from trmoe.data.build import build_data
         from trmoe.model.transformer import TRMoETransformer, count_parameters
         from trmoe.optim.build import build_optimizer
+        from trmoe.optim.schedule import build_schedules
         from trmoe.train.objective import Objective
         from trmoe.train.prepare import compiled, prepare_model
-        from trmoe.train.schedule import build_schedules
         from trmoe.train.scheduler import Scheduler
 
         cfg, self.spec = compose_arm(overrides, compile_model)

@@ -79,7 +79,10 @@ class TRMoETransformer(nn.Module):
         # rows, which autograd adds in place into the tied head's dense [V, H] gradient. Dense, it is a fresh
         # zero-filled [V, H] tensor (307 MB at 100m) summed into that one: ~2% of a 100m CPU step.
         self.sparse_embedding_grad = False
-        self.reset_parameters()
+        # A model on the meta device (parameter counts, the planner, preflight's shapes) has no values to
+        # draw: initialising it was most of its build time (the RNG is untouched either way).
+        if not self.embed.weight.is_meta:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

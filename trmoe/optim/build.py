@@ -7,7 +7,7 @@ decay. Only matrices are decayed: norms, gates and other 1-D/0-D tensors never a
 embedding only when optimizer.decay_embedding is set.
 
 Every group carries `name` and `base_lr`; the one global schedule sets lr = base_lr * multiplier on all
-of them (trmoe.train.schedule.apply_lr).
+of them (trmoe.optim.schedule.apply_lr).
 
 model.parametrization=mup (trmoe.model.mup): a hidden matrix whose fan-in grew m-fold over the base shape
 gets lr / m and weight_decay * m (lr * wd unchanged), in its own group named `<role>..._mup<m>`. All three

@@ -23,12 +23,12 @@ from trmoe.cli import run
 from trmoe.data.build import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import build_optimizer
+from trmoe.optim.schedule import build_schedules
 from trmoe.run.cadence import Cadence
 from trmoe.runtime import env
 from trmoe.train.objective import Objective
 from trmoe.train.observe.telemetry import TelemetryObserver
 from trmoe.train.prepare import prepare_model
-from trmoe.train.schedule import build_schedules
 
 
 def _step(objective: Objective, optimizer, params, inputs, targets, step: int, log: bool) -> None:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from trmoe.config.schema import Config, LossBackend
+from trmoe.loss.backend import resolve_backend, training_loss
+from trmoe.loss.tied import LossSums
 from trmoe.runtime import env
 from trmoe.train.diversity import expert_diversity
-from trmoe.train.loss import LossSums
-from trmoe.train.loss_backend import resolve_backend, training_loss
 
 log = logging.getLogger("trmoe")
 

@@ -17,11 +17,11 @@ from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import group_layout
+from trmoe.optim.schedule import build_schedules, check_extension
 from trmoe.run.checkpoint import CheckpointError, CheckpointInfo, model_shapes
 from trmoe.run.identity import ABSENT
 from trmoe.run.launch import Launch
 from trmoe.train.prepare import freeze_scheduled_gates
-from trmoe.train.schedule import build_schedules, check_extension
 
 log = logging.getLogger("trmoe")
 

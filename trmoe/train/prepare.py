@@ -12,8 +12,8 @@ from torch import nn
 
 from trmoe.config.schema import Config, LossBackend, TrainerConfig
 from trmoe.errors import UserError
-from trmoe.train.loss_backend import resolve_backend
-from trmoe.train.schedule import Schedules
+from trmoe.loss.backend import resolve_backend
+from trmoe.optim.schedule import Schedules
 
 
 def check_backends(cfg: Config, device: torch.device) -> LossBackend:

@@ -1,4 +1,4 @@
-"""The schedules applied: at the start of every step, the values of trmoe.train.schedule's pure functions
+"""The schedules applied: at the start of every step, the values of trmoe.optim.schedule's pure functions
 (LR multiplier, top-k primary weight p, scheduled gates, diversity weight lambda) set on the optimizer and
 the model, and a re-randomised router's draw of the step; and their metrics columns."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trmoe.optim.build import GroupLRs, describe_groups
-from trmoe.train.schedule import Schedules, apply_lr
+from trmoe.optim.schedule import Schedules, apply_lr
 
 
 class Scheduler:

@@ -42,6 +42,7 @@ from trmoe.model.flops import flops_per_token
 from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.optim.build import build_optimizer
+from trmoe.optim.schedule import build_schedules
 from trmoe.run import records, signals
 from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
@@ -59,7 +60,6 @@ from trmoe.train.observe.profiling import StepProfiler
 from trmoe.train.observe.telemetry import TelemetryObserver
 from trmoe.train.prepare import compiled, prepare_model
 from trmoe.train.run_record import RunFacts
-from trmoe.train.schedule import build_schedules
 from trmoe.train.scheduler import Scheduler
 from trmoe.train.state import RNG, Components, TrainState
 

@@ -18,10 +18,10 @@ import torch
 from trmoe.config.schema import Config, TrainerConfig
 from trmoe.data.evalsets import scored_tokens
 from trmoe.data.pipeline import Batch, DataPipeline
+from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.run.cadence import Cadence
 from trmoe.runtime import env
-from trmoe.train.loss import chunked_tied_ce
 
 
 class Evaluator(Protocol):

@@ -1,5 +1,5 @@
 """The training loss backends behind one function, `training_loss`; evaluation always uses the exact
-chunked path (trmoe.train.loss.chunked_tied_ce).
+chunked path (trmoe.loss.tied.chunked_tied_ce).
 
     chunked  trmoe's own exact tied-head CE in token chunks: label smoothing, z-loss, pure CE reported.
     torch    torch.nn.functional.linear_cross_entropy with LinearCrossEntropyOptions (its chunked path,
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from trmoe.config.schema import LossBackend, LossConfig
 from trmoe.errors import UserError
-from trmoe.train.loss import LossSums, chunked_tied_ce
+from trmoe.loss.tied import LossSums, chunked_tied_ce
 
 IGNORE_INDEX = -100
 
