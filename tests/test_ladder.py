@@ -71,6 +71,18 @@ def test_budgets_branch_from_one_stable_run_whose_lr_is_constant_to_the_last_bra
     ]
 
 
+@pytest.mark.parametrize("arm", ["hash_vs_learned/dense", "hash_vs_learned/modulo_cyclic"])
+def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
+    cfg = to_config(
+        compose_config("experiment=ladder_smoke", f"arm={arm}", "ladder.rung=2", "ladder.lr_rule=mup")
+    )
+    m = cfg.model
+    assert (m.parametrization.value, m.mup_base_width, m.hidden_size) == ("mup", 32, 64)
+    # the width the match solves scales with the hidden size (None); the rule's other width is rung 0's
+    assert m.mup_base_shared_width is None
+    assert m.mup_base_routed_width == (None if arm.endswith("dense") else 64)
+
+
 @pytest.mark.parametrize(
     ("override", "says"),
     [
@@ -83,11 +95,15 @@ def test_budgets_branch_from_one_stable_run_whose_lr_is_constant_to_the_last_bra
         ("optimizer.warmup_steps=null", "a ladder pins the warmup"),
         ("ladder.rung=3", "ladder.rung=3: allowed: 0..2"),
         ("routing.primary_weight_final=0.9", "routing.primary_weight_final=0.9: scales with the LR horizon"),
+        (
+            "ladder.lr_rule=mup arm=hash_vs_learned/learned",
+            "routing.strategy=learned is not supported under mup",
+        ),
     ],
 )
 def test_a_bad_ladder_is_one_line_exit_2_and_nothing_written(tmp_path, override, says):
     extra = ["ladder.tokens_per_param=[]", "ladder.tokens=null"] if "tokens_per_param" in override else []
-    result = cli(["experiment=ladder_smoke", *extra, override], tmp_path)
+    result = cli(["experiment=ladder_smoke", *extra, *override.split()], tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], result.stderr

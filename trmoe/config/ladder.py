@@ -90,11 +90,13 @@ def apply_rung(cfg: Config) -> dict[str, Any]:
         fields["match_params"] = reference_counts(cfg, lad.rung).total
     if lad.lr_rule == LrRule.mup:  # rung 0 is the base shape: the lr tuned there transfers up the ladder
         base = rung_shape(cfg, 0)
+        solved = cfg.model.match_field.value if lad.match_params else None
+        # a width the match solves has no rule value at rung 0: its base scales with the hidden size (None)
         fields.update(
             parametrization=Parametrization.mup,
             mup_base_width=base["hidden_size"],
-            mup_base_shared_width=base["shared_width"] or None,
-            mup_base_routed_width=base["routed_width"] or None,
+            mup_base_shared_width=None if solved == "shared_width" else base["shared_width"] or None,
+            mup_base_routed_width=None if solved == "routed_width" else base["routed_width"] or None,
         )
     for key, value in fields.items():
         setattr(cfg.model, key, value)

@@ -59,20 +59,22 @@ def check_jobs_compose(jobs: list[list[str]]) -> None:
                 overrides = [o for o in job if not o.startswith("hydra.")]
                 check_group_overrides(overrides)
                 cfg = compose("config", overrides=overrides)
-                if cfg.ladder.name is not None and cfg.ladder.rung not in checked_rungs:
+                if cfg.ladder.name is not None:
+                    _check_ladder(cfg, budgets=cfg.ladder.rung not in checked_rungs)
                     checked_rungs.add(cfg.ladder.rung)
-                    _check_ladder(cfg)
             except UserError as e:
                 raise UserError(f"{e} [sweep job {number}: {' '.join(job)}]") from None
             except Exception as e:
                 raise UserError(f"{compose_error(e)} [sweep job {number}: {' '.join(job)}]") from None
 
 
-def _check_ladder(cfg) -> None:
-    """A ladder job's config and its budgets (trmoe.config.ladder.plan, at one rank's tokens per step)."""
+def _check_ladder(cfg, budgets: bool) -> None:
+    """A ladder job's config, and (once per rung) its budgets (trmoe.config.ladder.plan, at one rank's
+    tokens per step)."""
     from trmoe.config.ladder import plan
     from trmoe.config.resolve import to_config
     from trmoe.data.build import global_batch_tokens
 
     checked = to_config(cfg)
-    plan(checked, global_batch_tokens(checked.trainer, 1))
+    if budgets:
+        plan(checked, global_batch_tokens(checked.trainer, 1))
