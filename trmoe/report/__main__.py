@@ -14,6 +14,9 @@ from pathlib import Path
 
 from trmoe.cli import Parser, run
 from trmoe.report.build import REPORT_MD, build_report, parse_peak
+from trmoe.report.ladder import DEFAULT_N, N_KINDS
+from trmoe.report.scaling import parse_scaling
+from trmoe.report.scaling_targets import DEFAULT_TARGETS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +35,21 @@ def _main(argv: list[str]) -> int:
     parser.add_argument(
         "--peak-tflops", default=None, help="peak FLOP/s per device (in TFLOP/s) for MFU on any device"
     )
+    parser.add_argument(
+        "--scaling-n",
+        default=DEFAULT_N,
+        help=f"a ladder's N for the fits: one of {', '.join(N_KINDS)} (docs/scaling.md)",
+    )
+    parser.add_argument(
+        "--scaling-targets",
+        default=",".join(DEFAULT_TARGETS),
+        help="a ladder's extrapolation targets: model profiles (conf/model), comma-separated",
+    )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
     args = parser.parse_args(argv)
     peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
+    scaling = parse_scaling(args.scaling_n, args.scaling_targets)
     rep = build_report(
         args.paths,
         args.out,
@@ -43,6 +57,7 @@ def _main(argv: list[str]) -> int:
         peak,
         not args.no_plots,
         require_control=args.control is not None,
+        scaling=scaling,
     )
     if not args.quiet:
         print(rep.markdown, end="")

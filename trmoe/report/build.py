@@ -21,10 +21,14 @@ from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
 from trmoe.report.runs import Run, common_root, load_runs
+from trmoe.report.scaling import POINT_COLUMNS, Options, Scaling, analyse, point_cells
+from trmoe.report.scaling import markdown as scaling_markdown
+from trmoe.report.scaling import rows as scaling_rows
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
+SCALING_CSV = "report_scaling.csv"  # a ladder's fits: one row per number (trmoe.report.scaling.rows)
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
 RUN_COLUMNS = (
     "seed", "status", "error", "params_total", "params_active", "match_field", "match_width",
@@ -48,6 +52,7 @@ class Report:
     plots_note: str = ""
     markdown: str = ""
     study: Study | None = None  # an Optuna search: its jobs are ranked as trials, not compared as arms
+    scaling: Scaling | None = None  # runs of a model ladder: the Scaling section
 
 
 def _count(n: int, noun: str) -> str:
@@ -231,6 +236,7 @@ def render_markdown(rep: Report, title: str) -> str:
 
     lines += _per_source_section(rep)
     lines += _accuracy_section(rep)
+    lines += scaling_markdown(rep.scaling) if rep.scaling else []
 
     lines += ["", "## Comparability checklist", ""]
     lines.append(
@@ -396,6 +402,7 @@ def _runs_csv(rep: Report) -> str:
     per_source = [f"{kind}/{n}" for n in names for kind in ("final_eval_loss", "eval_bpb")]
     accuracies = accuracy_columns(rep)  # final acc/<task>, acc_norm/<task>
     header = ["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source, *accuracies]
+    header += list(POINT_COLUMNS) if rep.scaling else []
     writer.writerow(header)
     for arm in rep.arms:
         for run in arm.runs:
@@ -407,7 +414,17 @@ def _runs_csv(rep: Report) -> str:
                 + [s.train_loss, s.median_tok_s, s.mfu]
                 + [v for n in names for v in s.sources.get(n, (None, None))]
                 + [s.accuracies.get(c) for c in accuracies]
+                + (point_cells(rep.scaling, run.name) if rep.scaling else [])
             )
+    return buf.getvalue()
+
+
+def _scaling_csv(scaling: Scaling) -> str:
+    buf = io.StringIO()
+    table = scaling_rows(scaling)
+    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["section"])
+    writer.writeheader()
+    writer.writerows(table)
     return buf.getvalue()
 
 
@@ -484,6 +501,7 @@ def build_report(
     make_plots: bool = True,
     *,
     require_control: bool = False,
+    scaling: Options | None = None,
 ) -> Report:
     """Read the runs under `paths` and write the report files into `folder` (default: next to them).
     Bad input raises UserError before anything is written. A control that matches no arm is a warning in
@@ -522,6 +540,7 @@ def build_report(
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
     rep.study = study
+    rep.scaling = analyse(runs, summaries, spec, scaling or Options()) if study is None else None
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -542,10 +561,12 @@ def build_report(
                 for c in accuracy_columns(rep)
             }
             rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR, accuracy_pairs)
+            rep.plots += plots.plot_scaling(rep.scaling, folder / PLOTS_DIR) if rep.scaling else []
         rep.markdown = render_markdown(rep, title)
         for name, text in (
             (REPORT_CSV, _runs_csv(rep)),
             (PAIRS_CSV, _pairs_csv(rep)),
+            *([(SCALING_CSV, _scaling_csv(rep.scaling))] if rep.scaling else []),
             (REPORT_MD, rep.markdown),
         ):
             write_file(folder / name, text)

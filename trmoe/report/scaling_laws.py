@@ -241,7 +241,7 @@ class Arm:
     D: np.ndarray
     L: np.ndarray
     seeds: np.ndarray
-    kappa: float
+    kappa: float | np.ndarray  # one κ, or each run's C_i / (N_i D_i)
 
     def __post_init__(self):
         self.N, self.D, self.L = (np.asarray(v, dtype=float) for v in (self.N, self.D, self.L))
@@ -275,11 +275,13 @@ class Comparison:
 
 
 def compare(
-    control: Arm, arm: Arm, C, *, samples: int = 100, seed: int = 0, level: float = 0.95
+    control: Arm, arm: Arm, C, *, kappa=None, samples: int = 100, seed: int = 0, level: float = 0.95
 ) -> Comparison:
     """k(C) of `arm` against `control` (module docstring) and its bootstrap interval. Paired when both
-    resample whole seeds and share them (the same seeds drawn for both)."""
+    resample whole seeds and share them (the same seeds drawn for both). `kappa`: (κ_control, κ_arm) at
+    each C (arrays, or scalars), default the arms' own κ; an arm's κ may be per run (its largest C_i)."""
     C = np.atleast_1d(np.asarray(C, dtype=float))
+    kappa = kappa or (control.kappa, arm.kappa)
     nan = np.full(C.shape, np.nan)
     seen = max(float(np.max(a.kappa * a.N * a.D)) for a in (control, arm))
     decades = np.log10(C / seen)
@@ -288,7 +290,7 @@ def compare(
         which = "control" if not fits[0].ok else "arm"
         reason = f"{which}: {(fits[0] if which == 'control' else fits[1]).reason}"
         return Comparison(C, nan, nan, nan, *fits, reason=reason, decades=decades)
-    k = multiplier(fits[0].law, fits[1].law, C, control.kappa, arm.kappa)
+    k = multiplier(fits[0].law, fits[1].law, C, *kappa)
     units = control.units, arm.units
     by_seed = [len(u.units) < len(a.L) for a, u in zip((control, arm), units, strict=True)]
     paired = all(by_seed) and set(control.seeds.tolist()) == set(arm.seeds.tolist())
@@ -300,7 +302,7 @@ def compare(
     ]
     values = np.array(
         [
-            multiplier(c, a, C, control.kappa, arm.kappa)
+            multiplier(c, a, C, *kappa)
             for c, a in zip(reps[0].laws, reps[1].laws, strict=True)
             if c is not None and a is not None
         ]
