@@ -4,7 +4,9 @@ ladder: its runs' records and the sweep report's Scaling section recomputed from
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,9 @@ from hydra import compose, initialize_config_module
 from trmoe.config.ladder import plan, reference_counts
 from trmoe.config.param_match import solve_match
 from trmoe.config.resolve import to_config
+from trmoe.model.flops import flops_terms
+from trmoe.report import scaling_laws as sl
+from trmoe.report.build import REPORT_CSV, REPORT_MD, SCALING_CSV
 from trmoe.train.ladder import branch_dir, stable_config
 
 
@@ -23,7 +28,7 @@ def _grid(name: str):
         return compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
 
 
-@pytest.mark.parametrize(("name", "rungs"), [("ladder", (0, 4)), ("ladder_smoke", (0, 1, 2))])
+@pytest.mark.parametrize(("name", "rungs"), [("ladder", (0, 4)), ("ladder_smoke", (0, 1, 2, 3))])
 def test_rungs_follow_the_rule_and_every_arm_matches_the_rungs_reference(name, rungs):
     hc = _grid(name)
     lad = hc.ladder
@@ -74,13 +79,13 @@ def test_budgets_branch_from_one_stable_run_whose_lr_is_constant_to_the_last_bra
 @pytest.mark.parametrize("arm", ["hash_vs_learned/dense", "hash_vs_learned/modulo_cyclic"])
 def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
     cfg = to_config(
-        compose_config("experiment=ladder_smoke", f"arm={arm}", "ladder.rung=2", "ladder.lr_rule=mup")
+        compose_config("experiment=ladder_smoke", f"arm={arm}", "ladder.rung=3", "ladder.lr_rule=mup")
     )
     m = cfg.model
-    assert (m.parametrization.value, m.mup_base_width, m.hidden_size) == ("mup", 32, 64)
+    assert (m.parametrization.value, m.mup_base_width, m.hidden_size) == ("mup", 16, 64)
     # the width the match solves scales with the hidden size (None); the rule's other width is rung 0's
     assert m.mup_base_shared_width is None
-    assert m.mup_base_routed_width == (None if arm.endswith("dense") else 64)
+    assert m.mup_base_routed_width == (None if arm.endswith("dense") else 32)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +98,7 @@ def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
         ("ladder.tokens_per_param=[]", "one or more positive budgets"),
         ("optimizer.schedule=cosine", "optimizer.schedule=cosine: a ladder branches cooldowns"),
         ("optimizer.warmup_steps=null", "a ladder pins the warmup"),
-        ("ladder.rung=3", "ladder.rung=3: allowed: 0..2"),
+        ("ladder.rung=4", "ladder.rung=4: allowed: 0..3"),
         ("routing.primary_weight_final=0.9", "routing.primary_weight_final=0.9: scales with the LR horizon"),
         (
             "ladder.lr_rule=mup arm=hash_vs_learned/learned",
@@ -121,8 +126,8 @@ def test_the_planner_shows_every_rung_before_anything_runs(tmp_path):
     result = cli(["experiment=ladder_smoke", "--json", "--tok-s", "500"], tmp_path, module="trmoe.plan")
     assert result.returncode == 0, result.stderr
     view = json.loads(result.stdout)["ladder"]
-    assert [r["label"] for r in view["rungs"]] == ["h32-l2", "h48-l3", "h64-l4"]
-    assert (view["jobs"], view["runs"]) == (6, 24)  # 3 rungs x 2 arms, each a stable run + 3 branches
+    assert [r["label"] for r in view["rungs"]] == ["h16-l2", "h32-l2", "h48-l3", "h64-l4"]
+    assert (view["jobs"], view["runs"]) == (8, 32)  # 4 rungs x 2 arms, each a stable run + 3 branches
     for r in view["rungs"]:
         p = r["params"]
         assert p["active_non_embedding"] == p["active"] - p["embedding"] > 0
@@ -132,7 +137,7 @@ def test_the_planner_shows_every_rung_before_anything_runs(tmp_path):
         assert r["job_tokens"] == 184 * 256 and r["job_seconds"] == pytest.approx(184 * 256 / 500)
     assert view["total_flops"] == sum(r["job_flops"] for r in view["rungs"]) * 2
     text = cli(["experiment=ladder_smoke"], tmp_path, module="trmoe.plan").stdout
-    assert "ladder ladder_smoke  (3 rungs x 2 arms x 1 seed = 6 jobs, 24 runs" in text
+    assert "ladder ladder_smoke  (4 rungs x 2 arms x 1 seed = 8 jobs, 32 runs" in text
     assert "time not estimated" in text and list(tmp_path.iterdir()) == []
 
 
@@ -159,7 +164,7 @@ def _markov_tokens(n: int, seed: int) -> np.ndarray:
 TINY_LADDER = [
     "experiment=ladder_smoke",
     "ladder.name=tiny",
-    "ladder.hidden=[16,32,48]",
+    "ladder.hidden=[16,24,32,48]",
     "ladder.head_dim=8",
     "ladder.aspect=16",
     "ladder.min_layers=1",
@@ -193,9 +198,14 @@ def _records(grid: Path) -> list[dict]:
 
 def test_a_tiny_ladder_records_every_run_its_rung_arm_role_budget_and_parent(tiny_ladder):
     records = _records(tiny_ladder)
-    assert len(records) == 3 * 2 * 4  # rungs x arms x (stable + 3 branches)
+    assert len(records) == 4 * 2 * 4  # rungs x arms x (stable + 3 branches)
     ladders = [r["ladder"] for r in records]
-    assert {(x["rung"], x["rung_label"]) for x in ladders} == {(0, "h16-l1"), (1, "h32-l2"), (2, "h48-l3")}
+    assert {(x["rung"], x["rung_label"]) for x in ladders} == {
+        (0, "h16-l1"),
+        (1, "h24-l2"),
+        (2, "h32-l2"),
+        (3, "h48-l3"),
+    }
     assert {x["arm"] for x in ladders} == {"hash_vs_learned/dense", "hash_vs_learned/modulo_cyclic"}
     for record in records:
         x, run = record["ladder"], Path(record["run_dir"])
@@ -212,3 +222,46 @@ def test_a_tiny_ladder_records_every_run_its_rung_arm_role_budget_and_parent(tin
         rows = metrics_rows(run)
         assert int(rows[0]["step"]) == x["parent_step"]  # the branch point is scored first
         assert int(rows[-1]["step"]) * 64 == x["budget_tokens"]
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(tiny_ladder):
+    """The sweep's report (written by its callback): the Scaling section, every run's N, D, C and L equal
+    to a recomputation from its run_config.json and metrics.csv, and each arm's law refitted from those;
+    a fitted exponent is finite, or the report says why there is no number."""
+    md = (tiny_ladder / REPORT_MD).read_text()
+    assert "## Scaling" in md
+    section = md.split("## Scaling", 1)[1]
+    assert "### Fits per arm" in section and "### Backtest" in section
+    points: dict[str, list] = {}
+    rows = [r for r in _csv(tiny_ladder / REPORT_CSV) if r.get("ladder.arm")]
+    assert len(rows) == 4 * 2 * 4
+    for row in rows:
+        record = json.loads((Path(row["path"]) / "run_config.json").read_text())
+        last = metrics_rows(Path(row["path"]))[-1]
+        p, spec = record["params"], record["model_spec"]
+        N, D, L = p["active"] - p["embedding"], float(last["tokens"]), float(last["eval_loss"])
+        terms = {k: spec[k] for k in ("num_layers", "num_heads", "head_dim", "hidden_size", "embedding_rows")}
+        C = flops_terms(active=p["active"], embedding=p["embedding"], seq_len=32, **terms).total * D
+        assert (float(row["scaling.N"]), float(row["scaling.D"]), float(row["scaling.L"])) == (N, D, L)
+        assert float(row["scaling.C"]) == pytest.approx(C, rel=1e-12)
+        assert (row["scaling.fit_point"] == "yes") == (record["ladder"]["role"] == "branch"), row
+        if row["scaling.fit_point"] == "yes":
+            points.setdefault(record["ladder"]["arm"], []).append((N, D, L))
+    assert sorted(map(len, points.values())) == [12, 12]  # 4 rungs x 3 budgets per arm
+    scaling = _csv(tiny_ladder / SCALING_CSV)
+    for arm, pts in points.items():
+        fits = {r["what"]: r for r in scaling if r["section"] == "fit" and r["arm"] == arm}
+        refit = sl.fit(*zip(*pts, strict=True))
+        if refit.ok:
+            for name, value in refit.law.to_dict().items():
+                assert float(fits[name]["estimate"]) == pytest.approx(value, rel=1e-9), (arm, name)
+            assert all(math.isfinite(float(fits[x]["estimate"])) for x in ("alpha", "beta"))
+        else:  # no number, and the reason
+            assert all(r["estimate"] == "" and r["note"] for r in fits.values()), fits
+    (back,) = [r for r in scaling if r["section"] == "backtest" and r["arm"].endswith("dense")]
+    assert back["estimate"] != "" or back["note"].startswith("not fitted")
