@@ -165,6 +165,7 @@ TINY_LADDER = [
     "experiment=ladder_smoke",
     "ladder.name=tiny",
     "ladder.hidden=[16,24,32,48]",
+    "ladder.rung=0,1,2,3",
     "ladder.head_dim=8",
     "ladder.aspect=16",
     "ladder.min_layers=1",

@@ -164,3 +164,23 @@ def plan(cfg: Config, tokens_per_step: int, rung: int | None = None) -> LadderPl
             "a larger budget or a shorter warmup"
         )
     return LadderPlan(rung, rung_label(cfg, rung), tokens_per_step, n, tuple(budgets))
+
+
+def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | None) -> dict | None:
+    """run_config.json's `ladder` (the contract with the report's Scaling section, docs/scaling.md); None
+    outside a ladder. A branch is a run with a parent (trainer.init_from); its budget is what it trains."""
+    lad = cfg.ladder
+    if lad.name is None:
+        return None
+    branch = parent is not None
+    return {
+        "name": lad.name,
+        "rung": lad.rung,
+        "rung_label": rung_label(cfg, lad.rung),
+        "arm": arm or cfg.routing.strategy.value,
+        "seed": cfg.trainer.seed,
+        "role": "branch" if branch else "stable",
+        "budget_tokens": cfg.trainer.steps * tokens_per_step if branch else None,
+        "parent_run": parent["run"] if branch else None,
+        "parent_step": parent["step"] if branch else None,
+    }

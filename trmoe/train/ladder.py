@@ -7,8 +7,8 @@
 
 So N budgets cost one stable run plus N decays of wsd_decay_fraction of each budget (instead of N runs).
 Each is an ordinary run directory (resumable; the parent is only read) whose run_config.json carries the
-`ladder` record (`record`). A Hydra sweep over ladder.rung, arm and trainer.seed runs one such job per
-point; the jobs of one point run in this process one after the other: a branch needs its parent's
+`ladder` record (trmoe.config.ladder.record). A Hydra sweep over ladder.rung, arm and trainer.seed runs one
+such job per point; the jobs of one point run in this process one after the other: a branch needs its parent's
 checkpoint, and the sweep's report sees every run when the last job ends.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from trmoe.config.ladder import Budget, LadderPlan, plan, rung_label
+from trmoe.config.ladder import Budget, LadderPlan, plan
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import Config, InitState
 from trmoe.data.build import global_batch_tokens
@@ -82,23 +82,3 @@ def train_ladder(raw: DictConfig, run_dir: Path, cfg: Config) -> float:
         branch = branch_config(raw, run_dir, budget)
         final = train(branch, branch_dir(run_dir, budget), to_config(branch))
     return final
-
-
-def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | None) -> dict | None:
-    """run_config.json's `ladder` (the contract with the report's Scaling section, docs/scaling.md); None
-    outside a ladder. A branch is a run with a parent (trainer.init_from); its budget is what it trains."""
-    lad = cfg.ladder
-    if lad.name is None:
-        return None
-    branch = parent is not None
-    return {
-        "name": lad.name,
-        "rung": lad.rung,
-        "rung_label": rung_label(cfg, lad.rung),
-        "arm": arm or cfg.routing.strategy.value,
-        "seed": cfg.trainer.seed,
-        "role": "branch" if branch else "stable",
-        "budget_tokens": cfg.trainer.steps * tokens_per_step if branch else None,
-        "parent_run": parent["run"] if branch else None,
-        "parent_step": parent["step"] if branch else None,
-    }

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config import ladder
 from trmoe.config.param_match import solve_match
 from trmoe.config.schema import Config
 from trmoe.model.spec import ModelSpec
@@ -22,7 +23,6 @@ from trmoe.run import records
 from trmoe.run.launch import Launch
 from trmoe.runtime import env
 from trmoe.runtime.distributed import DistEnv
-from trmoe.train import ladder
 
 log = logging.getLogger("trmoe")
 
@@ -107,7 +107,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
-            # ladder.*: rung, arm, seed, role (stable | branch), budget and parent (trmoe.train.ladder)
+            # ladder.*: rung, arm, seed, role (stable | branch), budget and parent (trmoe.config.ladder)
             "ladder": ladder.record(cfg, tokens_per_step, _arm(), facts.init_from),
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),
