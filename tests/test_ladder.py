@@ -242,8 +242,9 @@ def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(
     rows = [r for r in _csv(tiny_ladder / REPORT_CSV) if r.get("ladder.arm")]
     assert len(rows) == 4 * 2 * 4
     for row in rows:
-        record = json.loads((Path(row["path"]) / "run_config.json").read_text())
-        last = metrics_rows(Path(row["path"]))[-1]
+        run = tiny_ladder.parent / row["path"]  # relative to the launch directory
+        record = json.loads((run / "run_config.json").read_text())
+        last = metrics_rows(run)[-1]
         p, spec = record["params"], record["model_spec"]
         N, D, L = p["active"] - p["embedding"], float(last["tokens"]), float(last["eval_loss"])
         terms = {k: spec[k] for k in ("num_layers", "num_heads", "head_dim", "hidden_size", "embedding_rows")}
@@ -264,5 +265,5 @@ def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(
             assert all(math.isfinite(float(fits[x]["estimate"])) for x in ("alpha", "beta"))
         else:  # no number, and the reason
             assert all(r["estimate"] == "" and r["note"] for r in fits.values()), fits
-    (back,) = [r for r in scaling if r["section"] == "backtest" and r["arm"].endswith("dense")]
-    assert back["estimate"] != "" or back["note"].startswith("not fitted")
+    backtests = [r for r in scaling if r["section"] == "backtest"]
+    assert backtests and all(r["estimate"] != "" or r["note"].startswith("not fitted") for r in backtests)
