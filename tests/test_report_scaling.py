@@ -21,8 +21,7 @@ from helpers import cli
 from trmoe.model.flops import flops_terms
 from trmoe.report import scaling_laws as sl
 from trmoe.report.build import REPORT_CSV, REPORT_MD, SCALING_CSV, build_report
-from trmoe.report.ladder import kappa_at
-from trmoe.report.scaling import Options
+from trmoe.report.ladder import Options, kappa_at
 
 CONTROL = sl.Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022, approach 3
 BETTER = sl.Law(E=1.69, A=406.4 * 0.7, B=410.7, alpha=0.34, beta=0.28)
@@ -105,6 +104,10 @@ def fabricate(root: Path) -> Path:
     # the hash arm's extra branch at the smallest rung diverged: left out, listed
     write_run(sweep / str(next(job)), arm="hash", rung=0, seed=0, role="branch", tokens=80 * _n(0),
               loss=math.nan, parent="0")  # fmt: skip
+    # and one whose final metrics.csv row was cut short by a kill mid-write: no fit point
+    cut = sweep / str(next(job))
+    write_run(cut, arm="hash", rung=1, seed=0, role="branch", tokens=80 * _n(1), loss=3.0, parent="4")
+    (cut / "metrics.csv").write_text((cut / "metrics.csv").read_text()[:-4])
     return sweep
 
 
@@ -181,6 +184,13 @@ def test_each_honesty_check_fires(report):
         r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "diverged" in r["note"]
     ]
     assert diverged["arm"] == "hash" and f"{diverged['at']}: diverged" in md  # listed in report.md
+    (cut,) = [
+        r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "truncated" in r["note"]
+    ]
+    assert cut["note"].startswith(
+        "records disagree: metrics.csv ends at step 3, but status.json says finished"
+    )
+    assert f"{cut['at']}: records disagree" in md
     stable = [
         r for r in _rows(sweep / SCALING_CSV) if r["section"] == "excluded" and "stable run" in r["note"]
     ]
@@ -195,6 +205,9 @@ def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
     points: dict[str, list] = {}
     for row in _rows(sweep / REPORT_CSV):
         record = json.loads((Path(row["path"]) / "run_config.json").read_text())
+        if not (Path(row["path"]) / "metrics.csv").read_text().endswith("\n"):  # the cut one: no figures
+            assert row["scaling.D"] == "" and row["scaling.fit_point"].startswith("records disagree")
+            continue
         with open(Path(row["path"]) / "metrics.csv", newline="") as f:
             last = list(csv.DictReader(f))[-1]
         p, spec = record["params"], record["model_spec"]
@@ -272,3 +285,28 @@ def test_targets_are_counted_inside_a_running_hydra_app():
         assert GlobalHydra.instance().hydra is not None and GlobalHydra.instance().is_initialized()
         assert type(GlobalHydra.instance().hydra) is type(running)
     assert not GlobalHydra.instance().is_initialized()
+
+
+def test_a_ladder_whose_runs_are_all_left_out_says_so(tmp_path):
+    """Every run diverged: no fit, no plot, and the section lists them (no crash on an empty ladder)."""
+    sweep = tmp_path / "sweep"
+    for i in range(2):
+        write_run(
+            sweep / str(i), arm="dense", rung=i, seed=0, role="branch", tokens=10 * _n(i), loss=math.nan
+        )
+    rep = build_report([sweep], scaling=Options(targets=("tiny",)))
+    md = (sweep / REPORT_MD).read_text()
+    assert "Left out of the fits (2):" in md and "### Fits per arm" not in md
+    assert not [p for p in rep.plots if p.name.startswith("scaling_")]
+
+
+def test_the_n_of_each_kind_and_the_options_that_choose_it():
+    from trmoe.report.ladder import N_KINDS, n_of, parse_scaling
+
+    counts = {"total": 1000, "active": 400, "embedding": 100, "non_embedding": 900}
+    assert {k: n_of(counts, k) for k in N_KINDS} == {
+        "non_embedding_active": 300, "active": 400, "non_embedding": 900, "total": 1000,
+    }  # fmt: skip
+    assert n_of({"total": 1}, "active") is None  # a record without the counts: no N
+    options = parse_scaling("active", " 8b,tiny ")
+    assert (options.n_kind, options.targets) == ("active", ("8b", "tiny"))

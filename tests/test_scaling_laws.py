@@ -20,6 +20,7 @@ from trmoe.report.scaling_laws import (
     fit,
     multiplier,
     parameter_intervals,
+    resampling_units,
 )
 
 CHINCHILLA = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022, approach 3
@@ -131,6 +132,11 @@ def test_seeds_are_resampled_whole_and_paired_and_extrapolation_is_flagged():
         assert low < value < high and all(map(math.isfinite, (value, low, high))), name
     lone = compare(Arm(*ladder(CHINCHILLA), KAPPA), Arm(*ladder(BETTER), KAPPA), inside, samples=10)
     assert not lone.paired  # one seed per cell: runs are resampled, each arm on its own
+    # two seeds per cell give 3 distinct whole-seed resamples, no standard error: runs are resampled
+    N, D, _, seeds = ladder(CHINCHILLA, seeds=2)
+    assert len(resampling_units(seeds, zip(N, D, strict=True)).units) == N.size
+    N, D, _, seeds = ladder(CHINCHILLA, seeds=3)
+    assert len(resampling_units(seeds, zip(N, D, strict=True)).units) == 3  # three: whole seeds
 
 
 def test_arms_with_other_cells_are_refused():

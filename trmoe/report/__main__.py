@@ -14,8 +14,7 @@ from pathlib import Path
 
 from trmoe.cli import Parser, run
 from trmoe.report.build import REPORT_MD, build_report, parse_peak
-from trmoe.report.ladder import DEFAULT_N, N_KINDS
-from trmoe.report.scaling import parse_scaling
+from trmoe.report.ladder import DEFAULT_N, N_KINDS, parse_scaling
 from trmoe.report.scaling_targets import DEFAULT_TARGETS
 
 

@@ -14,18 +14,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trmoe.durable import write_file
 from trmoe.errors import UserError, require_directory
 from trmoe.report import plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
+from trmoe.report.ladder import Options, is_ladder
 from trmoe.report.runs import Run, common_root, load_runs
-from trmoe.report.scaling import POINT_COLUMNS, Options, Scaling, analyse, point_cells
-from trmoe.report.scaling import markdown as scaling_markdown
-from trmoe.report.scaling import rows as scaling_rows
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
+
+if TYPE_CHECKING:  # the Scaling section (scipy, the `report` extra) is imported where a ladder is read
+    from trmoe.report.scaling import Scaling
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
 SCALING_CSV = "report_scaling.csv"  # a ladder's fits: one row per number (trmoe.report.scaling.rows)
@@ -236,7 +238,10 @@ def render_markdown(rep: Report, title: str) -> str:
 
     lines += _per_source_section(rep)
     lines += _accuracy_section(rep)
-    lines += scaling_markdown(rep.scaling) if rep.scaling else []
+    if rep.scaling:
+        from trmoe.report.scaling import markdown
+
+        lines += markdown(rep.scaling)
 
     lines += ["", "## Comparability checklist", ""]
     lines.append(
@@ -402,7 +407,10 @@ def _runs_csv(rep: Report) -> str:
     per_source = [f"{kind}/{n}" for n in names for kind in ("final_eval_loss", "eval_bpb")]
     accuracies = accuracy_columns(rep)  # final acc/<task>, acc_norm/<task>
     header = ["run", "path", "arm", *[f"swept.{k}" for k in keys], *RUN_COLUMNS, *per_source, *accuracies]
-    header += list(POINT_COLUMNS) if rep.scaling else []
+    if rep.scaling:
+        from trmoe.report.scaling import POINT_COLUMNS, point_cells
+
+        header += POINT_COLUMNS
     writer.writerow(header)
     for arm in rep.arms:
         for run in arm.runs:
@@ -420,8 +428,10 @@ def _runs_csv(rep: Report) -> str:
 
 
 def _scaling_csv(scaling: Scaling) -> str:
+    from trmoe.report.scaling import rows
+
     buf = io.StringIO()
-    table = scaling_rows(scaling)
+    table = rows(scaling)
     writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["section"])
     writer.writeheader()
     writer.writerows(table)
@@ -540,7 +550,8 @@ def build_report(
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
     rep.study = study
-    rep.scaling = analyse(runs, summaries, spec, scaling or Options()) if study is None else None
+    if study is None and any(is_ladder(r) for r in runs):
+        rep.scaling = _scaling(runs, summaries, spec, scaling or Options())
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -573,6 +584,19 @@ def build_report(
     except OSError as e:  # a disk that filled meanwhile: each file is whole or as it was
         raise UserError(f"report: cannot write the report into {folder} ({e.strerror or e})") from None
     return rep
+
+
+def _scaling(
+    runs: list[Run], summaries: dict[str, Summary], control: str | None, options: Options
+) -> Scaling:
+    """The Scaling section of a ladder's runs; it needs scipy (the `report` extra), as the intervals do."""
+    try:
+        from trmoe.report.scaling import analyse
+    except ImportError:
+        raise UserError(
+            "report: needs scipy for the Scaling section of a ladder; install: pip install 'trmoe[report]'"
+        ) from None
+    return analyse(runs, summaries, control, options)
 
 
 def _check_writable(folder: Path) -> None:

@@ -8,9 +8,10 @@ A ladder run carries in run_config.json a top-level "ladder" object (written by 
 `read_point` is the one place that reads it, with the run's other records:
 
     N = one of its parameter counts (run_config.json "params"; N_KINDS, default non-embedding active)
-    D = tokens trained: the final step's complete metrics.csv row (trmoe.report.summary), else "total_tokens"
+    D = tokens trained: the `tokens` of the final step's complete metrics.csv row (trmoe.report.summary)
     C = flops_per_token · D      (trmoe.model.flops via trmoe.report.summary: matrices, attention, tied head)
-    L = the held-out loss at the final step, from a verified complete row (trmoe.report.integrity)
+    L = the held-out loss of that row (trmoe.report.integrity); a run without that row, whose records
+        disagree, that diverged or did not finish is no fit point (`Point.excluded` says why)
 
 Fit points (`select`): the branch runs (each budget's decay); a stable run only for an (arm, rung, seed)
 that has no branch (a ladder of plain runs): a stable run that was branched never decayed, so its loss is
@@ -25,7 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trmoe.config.resolve import group_options
+from trmoe.errors import UserError
+from trmoe.report.integrity import assess, value_at
 from trmoe.report.runs import Run
+from trmoe.report.scaling_targets import DEFAULT_TARGETS, TOKENS_PER_PARAM
 from trmoe.report.summary import Summary, flops_per_token
 from trmoe.run.status import FINISHED
 
@@ -38,6 +43,29 @@ N_KINDS = {
     "total": "all parameters (every expert, the embedding)",
 }
 DEFAULT_N = "non_embedding_active"
+
+
+@dataclass(frozen=True)
+class Options:
+    n_kind: str = DEFAULT_N
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    tokens_per_param: float = TOKENS_PER_PARAM
+    samples: int = 100  # bootstrap replicates (a standard error needs a few dozen)
+    seed: int = 0
+
+
+def parse_scaling(n_kind: str, targets: str) -> Options:
+    """--scaling-n and --scaling-targets, checked before anything is read or written."""
+    if n_kind not in N_KINDS:
+        raise UserError(f"report: --scaling-n {n_kind}: allowed: {', '.join(N_KINDS)}")
+    names = tuple(t.strip() for t in targets.split(",") if t.strip())
+    allowed = [o for o in group_options("model") if not o.endswith("/...")]
+    if not names or set(names) - set(allowed):
+        raise UserError(
+            f"report: --scaling-targets {targets}: allowed: model profiles, comma-separated "
+            f"({', '.join(allowed)})"
+        )
+    return Options(n_kind=n_kind, targets=names)
 
 
 def n_of(params: dict, kind: str) -> float | None:
@@ -87,18 +115,22 @@ def read_point(run: Run, summary: Summary, n_kind: str = DEFAULT_N) -> Point:
     """The ladder record of `run` and its (N, D, C, L) (module docstring); `excluded` says what is missing."""
     lad = run.record[LADDER_KEY]
     N = n_of(run.record.get("params") or {}, n_kind)
-    D = summary.tokens if summary.tokens is not None else run.record.get("total_tokens")
+    D = summary.tokens  # None unless the final step's metrics.csv row is complete
     per_token = flops_per_token(run)
-    C = float(per_token) * float(D) if per_token and isinstance(D, int | float) else None
+    C = float(per_token) * float(D) if per_token and D else None
     L = summary.final_eval
     why = ""
     if summary.diverged:
         why = f"diverged ({summary.diverged})"
     elif run.status != FINISHED:
         why = f"not finished ({run.status})"
+    elif summary.disagreements:
+        why = "records disagree: " + "; ".join(summary.disagreements)
+    elif D is None or value_at(run, assess(run).final_step, "eval_loss") is None:
+        why = "no complete metrics.csv row at its final step"
     elif L is None or not math.isfinite(L):
         why = "no held-out loss at its final step"
-    elif not N or N <= 0 or C is None or not D:
+    elif not N or N <= 0 or C is None:
         why = "no parameter counts, model spec or token count in run_config.json"
     return Point(
         run=run.name,
@@ -110,7 +142,7 @@ def read_point(run: Run, summary: Summary, n_kind: str = DEFAULT_N) -> Point:
         role=str(lad.get("role", "stable")),
         budget=lad.get("budget_tokens"),
         N=N,
-        D=float(D) if isinstance(D, int | float) else None,
+        D=float(D) if D is not None else None,
         C=C,
         L=L,
         data=json.dumps(run.config.get("data"), sort_keys=True),

@@ -265,6 +265,8 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
 
     from trmoe.report.scaling import frontier_band, multiplier_band
 
+    if not scaling.arms:  # every ladder run was left out (the section lists why)
+        return []
     plt = _pyplot()
     fitted = [a for a in scaling.arms if a.fit.ok]
     colors = _colors(scaling.arms)

@@ -16,29 +16,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trmoe.config.resolve import group_options
-from trmoe.errors import UserError
 from trmoe.report import scaling_laws as sl
 from trmoe.report.accuracy_fit import AccuracyFit, fit_accuracy, predict_interval
 from trmoe.report.compare import Arm as ReportArm
 from trmoe.report.compare import pick_control
-from trmoe.report.ladder import DEFAULT_N, N_KINDS, Point, is_ladder, kappa_at, n_of, read_point, select
+from trmoe.report.ladder import Options, Point, is_ladder, kappa_at, n_of, read_point, select
 from trmoe.report.runs import Run, override_dict
-from trmoe.report.scaling_targets import DEFAULT_TARGETS, TOKENS_PER_PARAM, Target, target
+from trmoe.report.scaling_targets import Target, target
 from trmoe.report.summary import Summary
 
 Est = tuple[float, float, float]  # estimate, low, high of a 95% interval
 FLOOR = "; k = inf: the arm's loss is below the control law's floor E (no compute reaches it)"
-
-
-@dataclass(frozen=True)
-class Options:
-    n_kind: str = DEFAULT_N
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    tokens_per_param: float = TOKENS_PER_PARAM
-    samples: int = 100  # bootstrap replicates (a standard error needs a few dozen)
-    seed: int = 0
-    decades: float = sl.EXTRAPOLATION_DECADES  # a target further beyond the runs' largest C is flagged
 
 
 @dataclass
@@ -93,20 +81,6 @@ class Scaling:
         return n_of(t.params, self.options.n_kind)
 
 
-def parse_scaling(n_kind: str, targets: str) -> Options:
-    """--scaling-n and --scaling-targets, checked before anything is read or written."""
-    if n_kind not in N_KINDS:
-        raise UserError(f"report: --scaling-n {n_kind}: allowed: {', '.join(N_KINDS)}")
-    names = tuple(t.strip() for t in targets.split(",") if t.strip())
-    allowed = [o for o in group_options("model") if not o.endswith("/...")]
-    if not names or set(names) - set(allowed):
-        raise UserError(
-            f"report: --scaling-targets {targets}: allowed: model profiles, comma-separated "
-            f"({', '.join(allowed)})"
-        )
-    return Options(n_kind=n_kind, targets=names)
-
-
 def _shared_overrides(runs: list[Run]) -> dict[str, str]:
     """The overrides every run of a ladder arm shares (what --control / the grid's control matches)."""
     common = override_dict(runs[0].overrides)
@@ -128,9 +102,10 @@ def _est(point: float, values, log: bool) -> Est:
 
 
 def analyse(
-    runs: list[Run], summaries: dict[str, Summary], control: str | None, opts: Options = Options()
+    runs: list[Run], summaries: dict[str, Summary], control: str | None, opts: Options | None = None
 ) -> Scaling | None:
     """The Scaling section of these runs; None when no run carries a "ladder" record."""
+    opts = opts or Options()
     ladder_runs = [r for r in runs if is_ladder(r)]
     if not ladder_runs:
         return None
@@ -244,8 +219,8 @@ def _cell(e: Est, digits: int = 4) -> str:
 
 
 def _flag(s: Scaling, decades: float) -> str:
-    if decades > s.options.decades:
-        return f"EXTRAPOLATED {decades:.1f} decades beyond the runs (> {s.options.decades:g})"
+    if decades > sl.EXTRAPOLATION_DECADES:
+        return f"EXTRAPOLATED {decades:.1f} decades beyond the runs (> {sl.EXTRAPOLATION_DECADES:g})"
     return "within the runs" if decades <= 0 else f"{decades:.1f} decades beyond the runs"
 
 
@@ -324,12 +299,16 @@ def markdown(s: Scaling) -> list[str]:
         f"has no branch). Intervals: 95%, bootstrap over runs or whole seeds ({o.samples} replicates). "
         f"Control: {ctrl}. k > 1: the control needs k× the compute to reach the arm's loss. Targets: "
         + ", ".join(f"`{t.name}` (N {s.target_n(t):.3g}, D {t.D:.3g}, C {t.C:.3g})" for t in s.targets)
-        + f"; beyond {o.decades:g} decade(s) of the runs' compute a number is flagged EXTRAPOLATED. "
+        + f"; beyond {sl.EXTRAPOLATION_DECADES:g} decade(s) of the runs' compute a number is flagged "
+        "EXTRAPOLATED. "
         "docs/scaling.md says how to read it."
     )
     if s.excluded:
-        lines += ["", f"Left out of the fits ({len(s.excluded)}): "
-                  + "; ".join(f"{p.run}: {p.excluded}" for p in s.excluded) + "."]  # fmt: skip
+        by_reason: dict[str, list[str]] = {}
+        for p in s.excluded:
+            by_reason.setdefault(p.excluded, []).append(p.run)
+        lines += ["", f"Left out of the fits ({len(s.excluded)}):", ""]
+        lines += [f"- {', '.join(runs)}: {why}" for why, runs in by_reason.items()]
     table = rows(s)
     fit_title = "Fits per arm (γ: the frontier's exponent, L* = E + G·(C/κ)^−γ)"
     back_title = "Backtest: the largest rung predicted from the others"

@@ -40,6 +40,7 @@ DELTA = 1e-3  # Huber threshold on log-loss residuals (Hoffmann et al. 2022)
 BOUNDS = (1e-3, 3.0)  # α, β: an exponent at a bound is not identified by the data
 MIN_RUNGS = 3  # distinct N: fewer cannot separate E from A/N^α
 MIN_POINTS = 7  # five parameters, and at least two degrees of freedom left
+MIN_SEEDS = 3  # whole seeds resampled from 3 on: 2 give 3 distinct resamples, no standard error
 EXTRAPOLATION_DECADES = 1.0  # a target more than this many decades of compute beyond the data is flagged
 
 
@@ -193,12 +194,12 @@ class Groups:
 
 
 def resampling_units(seeds, cells) -> Groups:
-    """Whole seeds when every cell (rung x budget) holds >= 2 distinct seeds, else single runs."""
+    """Whole seeds when every cell (rung x budget) holds >= MIN_SEEDS distinct seeds, else single runs."""
     seeds, cells = np.asarray(seeds), [tuple(c) for c in cells]
     per_cell: dict[tuple, set] = {}
     for s, c in zip(seeds, cells, strict=True):
         per_cell.setdefault(c, set()).add(s)
-    if per_cell and min(len(v) for v in per_cell.values()) >= 2:
+    if per_cell and min(len(v) for v in per_cell.values()) >= MIN_SEEDS:
         return Groups([np.flatnonzero(seeds == s) for s in sorted(set(seeds.tolist()))])
     return Groups([np.array([i]) for i in range(len(seeds))])
 
