@@ -10,9 +10,10 @@ from importlib.resources import files
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from trmoe.config.ladder import apply_rung, write_back
 from trmoe.config.param_match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
-from trmoe.config.validate import validate
+from trmoe.config.validate import validate, validate_ladder
 from trmoe.errors import UserError
 
 
@@ -157,6 +158,9 @@ def to_config(cfg: DictConfig) -> Config:
         raise UserError(f"config error: {key}: {str(e).splitlines()[0]}") from None
     if not isinstance(config, Config):
         raise UserError("config error: the primary config does not extend base_config")
+    # A ladder's rung (ladder.*) sets the model's shape and match target: checked, applied, written back.
+    validate_ladder(config)
+    write_back(cfg, apply_rung(config))
     # Parameter matching (model.match_params): validate the other fields, solve the width, check the result
     # by the same rules, and write it back into cfg too, so that the saved config and run_config.json show
     # the width that is trained.

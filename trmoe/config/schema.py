@@ -420,6 +420,7 @@ class CheckpointConfig:
 
     enabled: bool = True  # false: no checkpoint at all, not even the final one (the run cannot be resumed)
     every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
+    at_steps: list[int] = field(default_factory=list)  # also save at these steps (a ladder's branch points)
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 
@@ -470,6 +471,42 @@ class EvalToolConfig:
     out: str | None = None  # results file; None = <run>/eval/<step>.json
 
 
+class LrRule(str, Enum):
+    constant = "constant"  # every rung trains with optimizer.lr as configured (standard parametrization)
+    mup = "mup"  # model.parametrization=mup with rung 0 as the base shape: the lr tuned there transfers
+
+
+@dataclass
+class LadderConfig:
+    """A scaling ladder (docs/scaling.md): rungs of one width/depth rule x arms x seeds x token budgets.
+    Rung r of hidden size H_r = ladder.hidden[r] has
+
+        num_heads = H_r / head_dim,   num_kv_heads = max(1, num_heads / kv_group),
+        num_layers = max(min_layers, round(H_r / aspect)),
+        shared_width = shared_ratio x H_r,   routed_width = routed_ratio x H_r  (0 stays 0: the dense control)
+
+    (widths rounded to model.match_multiple; routed_width also to a multiple of model.num_experts). A job
+    trains one rung x arm x seed: a warmup-stable run to the largest budget's branch point, then a decay
+    branch per budget from its checkpoint (trainer.init_state=branch). trainer.steps and
+    optimizer.decay_steps are set by the ladder."""
+
+    name: str | None = None  # the ladder this run belongs to; None = not a ladder run (every key ignored)
+    rung: int = 0  # which rung this job trains: an index into ladder.hidden (0 = the smallest)
+    hidden: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])  # H_r, strictly growing
+    head_dim: int = 32  # num_heads = H_r / head_dim (H_r must be a multiple of it)
+    kv_group: int = 2  # query heads per key/value head (attention=gqa): num_kv_heads = num_heads / kv_group
+    aspect: int = 64  # hidden size per layer: num_layers = max(min_layers, round(H_r / aspect))
+    min_layers: int = 2  # the fewest layers a rung has
+    shared_ratio: float = 2.0  # shared_width = shared_ratio x H_r (rounded to model.match_multiple)
+    routed_ratio: float = 2.0  # routed_width = routed_ratio x H_r (a routed arm; the dense control keeps 0)
+    num_experts: int = 4  # E of the rung's reference model (hash-routed), whose counts name the rung
+    top_k: int = 2  # K of the rung's reference model (its active count: N = active - embedding)
+    match_params: bool = True  # every arm of a rung matches the rung's hash-MoE total (model.match_params)
+    tokens_per_param: list[float] = field(default_factory=lambda: [5.0, 10.0, 20.0])  # budgets D = x N
+    tokens: list[int] | None = None  # explicit token budgets instead (the same at every rung); None = x N
+    lr_rule: LrRule = LrRule.constant  # constant | mup (hidden[0] is the base width the lr was tuned at)
+
+
 @dataclass
 class Config:
     model: ModelConfig = MISSING
@@ -487,6 +524,7 @@ class Config:
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
 GROUPS: dict[str, Any] = {

@@ -47,14 +47,34 @@ def check_launcher(cfg) -> None:
 
 def check_jobs_compose(jobs: list[list[str]]) -> None:
     """Compose every job's config (no validation: a job that composes but is invalid fails on its own, as
-    documented); the first that does not compose raises a one-line UserError naming its overrides."""
+    documented); the first that does not compose raises a one-line UserError naming its overrides. A
+    ladder's jobs are validated too, with their budgets (one per rung): a ladder is refused whole, since
+    its rungs are one fit."""
     from hydra import compose, initialize_config_module
 
+    checked_rungs: set[int] = set()
     with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
         for number, job in enumerate(jobs):
             try:
                 overrides = [o for o in job if not o.startswith("hydra.")]
                 check_group_overrides(overrides)
-                compose("config", overrides=overrides)
+                cfg = compose("config", overrides=overrides)
+                if cfg.ladder.name is not None:
+                    _check_ladder(cfg, budgets=cfg.ladder.rung not in checked_rungs)
+                    checked_rungs.add(cfg.ladder.rung)
+            except UserError as e:
+                raise UserError(f"{e} [sweep job {number}: {' '.join(job)}]") from None
             except Exception as e:
                 raise UserError(f"{compose_error(e)} [sweep job {number}: {' '.join(job)}]") from None
+
+
+def _check_ladder(cfg, budgets: bool) -> None:
+    """A ladder job's config, and (once per rung) its budgets (trmoe.config.ladder.plan, at one rank's
+    tokens per step)."""
+    from trmoe.config.ladder import plan
+    from trmoe.config.resolve import to_config
+    from trmoe.data.build import global_batch_tokens
+
+    checked = to_config(cfg)
+    if budgets:
+        plan(checked, global_batch_tokens(checked.trainer, 1))

@@ -445,6 +445,8 @@ def _validate_reliability(cfg: Config) -> None:
         _fail("trainer.init_state", t.init_state.value, "needs trainer.init_from (the run it starts from)")
     if c.every_steps < 0:
         _fail("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 = only at the end)")
+    if any(step < 1 for step in c.at_steps):
+        _fail("checkpoint.at_steps", list(c.at_steps), "steps >= 1")
     if c.keep_last < 0:
         _fail("checkpoint.keep_last", c.keep_last, "must be >= 0 (0 = keep every checkpoint)")
     _positive(g, "guard", "max_skips")
@@ -652,3 +654,65 @@ def _validate_training_controls(cfg: Config) -> None:
         )
     if t.compile and not t.compile_backend:
         _fail("trainer.compile_backend", "''", "must name a torch.compile backend, e.g. inductor")
+
+
+def validate_ladder(cfg: Config) -> None:
+    """ladder.*: at least two rungs of strictly growing width that the rule can shape, budgets that grow,
+    and a schedule the cooldown branches can share (wsd, a pinned warmup, nothing else that scales with the
+    horizon). Checked before the rung is applied (docs/scaling.md)."""
+    lad, o = cfg.ladder, cfg.optimizer
+    if lad.name is None:
+        return
+    if len(lad.hidden) < 2:
+        _fail("ladder.hidden", list(lad.hidden), "a ladder needs at least 2 rungs (3 for a fit)")
+    if any(b <= a for a, b in zip(lad.hidden, lad.hidden[1:], strict=False)) or lad.hidden[0] < 1:
+        _fail("ladder.hidden", list(lad.hidden), "the rungs' hidden sizes must grow strictly from >= 1")
+    _positive(lad, "ladder", "head_dim", "kv_group", "aspect", "min_layers", "num_experts", "top_k")
+    if lad.top_k > lad.num_experts:
+        _fail("ladder.top_k", lad.top_k, f"allowed: 1..ladder.num_experts={lad.num_experts}")
+    if lad.head_dim % 2 or any(h % lad.head_dim for h in lad.hidden):
+        _fail(
+            "ladder.head_dim",
+            lad.head_dim,
+            f"must be even and divide every ladder.hidden={list(lad.hidden)} (num_heads = hidden / head_dim)",
+        )
+    if not 0 <= lad.rung < len(lad.hidden):
+        _fail("ladder.rung", lad.rung, f"allowed: 0..{len(lad.hidden) - 1} (an index into ladder.hidden)")
+    for name in ("shared_ratio", "routed_ratio"):
+        if getattr(lad, name) <= 0:
+            _fail(f"ladder.{name}", getattr(lad, name), "must be a positive multiple of the hidden size")
+    key, budgets = (
+        ("ladder.tokens", lad.tokens)
+        if lad.tokens is not None
+        else ("ladder.tokens_per_param", lad.tokens_per_param)
+    )
+    if not budgets or any(b <= 0 for b in budgets):
+        _fail(key, list(budgets), "one or more positive budgets")
+    if any(b <= a for a, b in zip(budgets, budgets[1:], strict=False)):
+        _fail(key, list(budgets), "the budgets must grow strictly (each a branch of the one stable run)")
+    if o.schedule.value != "wsd":
+        _fail(
+            "optimizer.schedule",
+            o.schedule.value,
+            "a ladder branches cooldowns from a stable run; allowed: wsd",
+        )
+    if o.warmup_steps is None:
+        _fail(
+            "optimizer.warmup_steps",
+            None,
+            "a ladder pins the warmup (its default scales with the horizon, which differs per budget); "
+            "allowed: a number of steps",
+        )
+    if cfg.trainer.init_from is not None and cfg.trainer.init_state != InitState.branch:
+        _fail("trainer.init_from", cfg.trainer.init_from, "a ladder sets it for its branches; allowed: null")
+    horizon = {
+        "model.shared_gate_final": cfg.model.shared_gate_final,
+        "model.routed_gate_final": cfg.model.routed_gate_final,
+        "routing.primary_weight_final": cfg.routing.primary_weight_final,
+        "loss.diversity_ramp": cfg.loss.diversity_ramp or None,
+    }
+    for name, value in horizon.items():
+        if value is not None:
+            _fail(
+                name, value, "scales with the LR horizon, which differs per budget of a ladder; allowed: null"
+            )

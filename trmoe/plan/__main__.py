@@ -181,6 +181,10 @@ def render(plan: dict) -> str:
                 f"{tm['eta_s'] / 3600:,.1f} h of training (evaluations excluded)",
             ),
         ]
+    if plan.get("ladder"):
+        from trmoe.plan.ladder import render_ladder
+
+        rows += render_ladder(plan["ladder"], _duration)
     cells = [r for r in rows if isinstance(r, tuple)]
     w0 = max(len(r[0]) for r in cells) + 2
     w1 = max(len(r[1]) for r in cells)

@@ -151,6 +151,7 @@ def make_plan(
     raw = compose_run_config(overrides)
     w = decide_world(raw, world)
     choices = dict(OmegaConf.select(raw, "hydra.runtime.choices", default={}) or {})
+    raw_sweep = OmegaConf.select(raw, "hydra.sweeper", default=None)
     with open_dict(raw):
         del raw["hydra"]  # the run config proper, as the train app sees it
     cfg = to_config(raw)
@@ -191,6 +192,13 @@ def make_plan(
         data = build_data(cfg, spec.vocab_size, world_size=w.size)
         data.close()
         mixture = data.info["plan"]
+
+    ladder = None
+    if cfg.ladder.name is not None:  # a ladder: every rung, its counts, budgets, FLOPs and time
+        from trmoe.plan.ladder import ladder_view
+
+        sweep = dict(OmegaConf.select(raw_sweep, "params", default={}) or {})
+        ladder = ladder_view(cfg, sweep, tokens_per_step, w.size, throughput)
 
     # a submitit launcher submits from a multirun
     train_command = "python -m trmoe.train" + (" --multirun" if w.launcher.startswith("submitit") else "")
@@ -238,6 +246,7 @@ def make_plan(
         "memory": memory.to_dict(),
         "routing": routing_plan(cfg, spec),
         "mixture": mixture,
+        "ladder": ladder,
         "time": eta(throughput, flops.total, w.size, tokens_per_step, run_tokens)
         or {"tok_s": None, "how_to_measure": how_to_measure(cfg, choices, overrides, train_command)},
     }

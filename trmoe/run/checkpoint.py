@@ -300,7 +300,7 @@ class CheckpointStore:
     `format`: "torch" (one torch.save file, single process) or "dcp" (torch.distributed.checkpoint; required
     when world_size > 1). Every rank calls save/load with the same arguments; only rank 0 writes meta.json,
     the rename, `latest` and the pruning. `every_steps`, `last_step` and `enabled`: the save cadence (`due`,
-    `maybe_save`; every_steps=0 = only the last step and the saves a caller forces)."""
+    `maybe_save`; every_steps=0 = only the last step, `at_steps` and the saves a caller forces)."""
 
     def __init__(
         self,
@@ -313,6 +313,7 @@ class CheckpointStore:
         every_steps: int = 0,
         last_step: int | None = None,
         enabled: bool = True,
+        at_steps: tuple[int, ...] = (),
     ):
         if format not in ("torch", "dcp"):
             raise ValueError(f"checkpoint format must be torch or dcp, got {format!r}")
@@ -326,7 +327,9 @@ class CheckpointStore:
         self.every_steps = every_steps
         self.enabled = enabled
         self.cadence = (
-            Cadence(every_steps, at=() if last_step is None else (last_step,)) if enabled else NEVER
+            Cadence(every_steps, at=(*at_steps, *(() if last_step is None else (last_step,))))
+            if enabled
+            else NEVER
         )
         self.last_saved: int | None = None  # the step this process saved last (maybe_save)
         self.last_failure = ""  # why the last save failed (for the run's one line)
@@ -358,6 +361,7 @@ class CheckpointStore:
             every_steps=cfg.every_steps,
             last_step=last_step,
             enabled=cfg.enabled,
+            at_steps=tuple(cfg.at_steps),
         )
 
     # -------------------------------------------------------------------------------------------- cadence

@@ -45,6 +45,12 @@ SECTIONS = [
     ("checkpoint", schema.CheckpointConfig, "Checkpoint cadence and retention (see docs/reliability.md)."),
     ("guard", schema.GuardConfig, "Fault guards: non-finite steps, loss spikes (see docs/reliability.md)."),
     (
+        "ladder",
+        schema.LadderConfig,
+        "A scaling ladder: rungs by one width/depth rule x arms x seeds x token budgets, each budget a "
+        "cooldown branch of one stable run (`experiment=ladder`, `ladder_smoke`; see docs/scaling.md).",
+    ),
+    (
         "logger",
         None,
         "Experiment trackers beside metrics.csv (always written): `logger=tensorboard`, several at once with "

@@ -90,6 +90,10 @@ def _job(cfg: DictConfig) -> float:
     sweeping = hc.mode == RunMode.MULTIRUN
     try:
         checked = to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
+        if checked.ladder.name is not None:  # a ladder's job: its stable run and a branch per budget
+            from trmoe.train.ladder import train_ladder
+
+            return train_ladder(cfg, run_dir, checked)
         from trmoe.train.loop import train
 
         return train(cfg, run_dir, checked)

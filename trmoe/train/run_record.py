@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config import ladder
 from trmoe.config.param_match import solve_match
 from trmoe.config.schema import Config
 from trmoe.model.spec import ModelSpec
@@ -107,6 +108,8 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
             "route_embedding": _route_embedding(spec),  # clustered/dispersed_hash: file, sha256, shape
+            # ladder.*: rung, arm, seed, role (stable | branch), budget and parent (trmoe.config.ladder)
+            "ladder": ladder.record(cfg, tokens_per_step, _arm(), facts.init_from),
             # config hash, derived values, the attempts of this run (force_resume noted, each one's code)
             **launch.record(git, backend),
         },
@@ -120,3 +123,12 @@ def _route_embedding(spec) -> dict | None:
     from trmoe.model.embedding_routing import embedding_record
 
     return embedding_record(spec.route_embedding, spec.vocab_size)
+
+
+def _arm() -> str | None:
+    """The arm option of the job (`arm=<grid>/<arm>`, Hydra's runtime choices), if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get("arm")
