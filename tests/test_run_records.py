@@ -149,6 +149,7 @@ def test_json_text_names_non_finite_numbers_and_number_reads_them_back():
 # json.dumps where its text is never a file or an output: a hash, a grouping key, a message, a comparison
 IN_MEMORY_JSON = {
     "report/checks.py": "a config value flattened to a comparable string",
+    "report/ladder.py": "a run's data config as a comparison key (arms on other data are refused)",
     "train/init_from.py": "the hash of the parent's file records",
     "data/build.py": "the hash of a data description",
     "eval/lm.py": "a grouping key of the harness's requests",
