@@ -33,6 +33,9 @@ def _model(*overrides: str) -> TRMoETransformer:
         ("attention=gqa", "routing=modulo_cyclic"),  # tokens grouped by route tuple
         ("attention=mha", "routing=multi_hash", "routing.top_k=2"),  # grouped by expert
         ("attention=mqa", "model.num_experts=1", "routing.top_k=1"),  # the dense control
+        ("routing=frozen_router",),  # a router on the layer's input: per token, so a cache changes nothing
+        ("routing=rerandomised_router",),  # its last step's draw
+        ("routing=hybrid_first_k",),  # a table in layer 0, a learned router above
     ],
 )
 def test_kv_cache_gives_the_full_forward_logits_at_every_position(overrides):
