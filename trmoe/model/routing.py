@@ -476,6 +476,18 @@ def _hashed(key: str, what: str, analysis_only: bool = False) -> Strategy:
     )
 
 
+def _from_embedding(dispersed: bool, what: str) -> Strategy:
+    """A table built from k-means clusters of routing.embedding (trmoe.model.embedding_routing)."""
+    return Strategy(
+        lambda a: _embedding_table(a, dispersed=dispersed),
+        "exact (differ by <= 1)",
+        "labels only (same partition)",
+        "4",
+        f"Roller et al. 2021: similar tokens (k-means on routing.embedding) {what}",
+        needs_embedding=True,
+    )
+
+
 REGISTRY: dict[str, Strategy] = {
     "modulo_cyclic": Strategy(
         lambda a: _modulo_cyclic(a.vocab, a.experts, a.top_k, a.salt),
@@ -548,22 +560,8 @@ REGISTRY: dict[str, Strategy] = {
     "oracle_future_hash": _hashed(
         "target", "the target (next) token id: analysis only, loss forwards only", analysis_only=True
     ),
-    "clustered_hash": Strategy(
-        lambda a: _embedding_table(a, dispersed=False),
-        "exact (differ by <= 1)",
-        "labels only (same partition)",
-        "4",
-        "Roller et al. 2021: similar tokens (k-means on routing.embedding) share an expert",
-        needs_embedding=True,
-    ),
-    "dispersed_hash": Strategy(
-        lambda a: _embedding_table(a, dispersed=True),
-        "exact (differ by <= 1)",
-        "labels only (same partition)",
-        "4",
-        "Roller et al. 2021: similar tokens (k-means on routing.embedding) spread over the experts",
-        needs_embedding=True,
-    ),
+    "clustered_hash": _from_embedding(False, "share an expert"),
+    "dispersed_hash": _from_embedding(True, "spread over the experts"),
     "learned": Strategy(
         None,
         "by the auxiliary loss (per batch)",
