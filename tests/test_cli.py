@@ -58,7 +58,7 @@ def test_a_parser_error_is_one_line_naming_the_tool(capsys):
 # One bad input per kind of command line, as a user runs it: the same line and code in a fresh process as
 # main(argv) gives in-process (the console path: `python -m`, sys.exit(main()), nothing written).
 KINDS = [
-    ("trmoe.train", ["model.hiden_size=8"], "trmoe: config error: Could not override 'model.hiden_size'"),
+    ("trmoe.train", ["model.hiden_size=8"], "trmoe: config error: model.hiden_size: model has no such key"),
     ("trmoe.eval", ["run=nope", "tasks=[arc_easy]"], "trmoe: run nope: no such file or directory"),
     ("trmoe.report", ["nope"], "trmoe: report: not a directory: nope"),
     ("trmoe.data.prepare", ["nope.txt", "--out", "ds"], "nope.txt: no such file or directory"),

@@ -175,7 +175,10 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["model.hiden_size=8"], "Key 'hiden_size' not in 'ModelConfig'"),
+        (
+            ["model.hiden_size=8"],
+            "model.hiden_size: model has no such key; did you mean hidden_size? allowed:",
+        ),
         (["routing=nope"], "Could not find 'routing/nope'; allowed: affine_hash, balanced_hash,"),
         (["attention.kind=mla"], "mla"),
         (["trainer.steps=abc"], "trainer.steps=abc"),

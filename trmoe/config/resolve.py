@@ -8,7 +8,12 @@ from collections.abc import Iterator
 from importlib.resources import files
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
 from trmoe.config.ladder import apply_rung, write_back
 from trmoe.config.param_match import apply_match, ignore_solved_width
@@ -33,6 +38,10 @@ def compose_error(e: BaseException) -> str:
             )
         if isinstance(cause, yaml.YAMLError):
             return f"config error: not valid YAML ({str(cause).strip().splitlines()[0]})"
+    for cause in _chain(e):  # an override of a key the schema lacks (a UserError above outranks it)
+        known = _fields(getattr(cause, "object_type", None))
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError) and known and str(cause.key) not in known:
+            return unknown_key(cause.full_key, known)
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     head = lines[0] if lines else type(e).__name__
     if isinstance(e, MissingConfigException):  # a group option that does not exist
@@ -47,6 +56,24 @@ def compose_error(e: BaseException) -> str:
     if not detail and len(lines) > 1 and not lines[1].startswith(("To append", "See ")):
         detail = lines[1]
     return f"config error: {head}" + (f" ({detail})" if detail and detail not in head else "")
+
+
+def unknown_key(key: str, known: list[str]) -> str:
+    """The one line for a key the schema does not have: its section, the closest name, every allowed one."""
+    section = key.rpartition(".")[0] or "the config"
+    close = difflib.get_close_matches(key.rpartition(".")[2], known, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    allowed = ", ".join(known)
+    return f"config error: {key}: {section} has no such key; {hint}allowed: {allowed} (docs/configuration.md)"
+
+
+def _fields(cls: object) -> list[str]:
+    """The field names of a schema dataclass (what a section takes), or [] for anything else."""
+    return (
+        [f.name for f in dataclasses.fields(cls)]
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+        else []
+    )
 
 
 def _chain(e: BaseException | None) -> Iterator[BaseException]:
@@ -140,13 +167,7 @@ def to_config(cfg: DictConfig) -> Config:
     """Resolve interpolations, convert to the dataclass tree, run the cross-field checks and solve the
     parameter match (model.match_params), writing the solved width back into cfg as well."""
     for key, known in _unknown_keys(cfg):
-        section = key.rpartition(".")[0] or "the config"
-        close = difflib.get_close_matches(key.rpartition(".")[2], known, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise UserError(
-            f"config error: {key}: {section} has no such key; {hint}allowed: {', '.join(known)} "
-            "(docs/configuration.md)"
-        )
+        raise UserError(unknown_key(key, known))
     try:
         config = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
