@@ -70,7 +70,10 @@ BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line
     (["step", "--batch", "0"], ["--batch", "'0'", ">= 1"]),
     (["step", "--steps", "0"], ["--steps", "'0'", ">= 1"]),
     (["step", "--model", "tiny", "--seq", "99999"], ["trainer.seq_len=99999", "model.max_seq_len"]),
-    (["step", "--model", "tiny", "--steps", "1", "bogus.key=1"], ["config error", "bogus: the config has no such key"]),
+    (
+        ["step", "--model", "tiny", "--steps", "1", "bogus.key=1"],
+        ["config error", "bogus: the config has no such key"],
+    ),
     # a list would benchmark (and record) a merged config; a number is Hydra's ValueError
     (
         ["step", "--model", "tiny", "--steps", "1", "attention=[gqa,mha]"],
