@@ -370,3 +370,21 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
     for w in left:  # not left to the rest of the suite
         os.kill(w, signal.SIGKILL)
     assert not left, f"workers {left} outlived their parent"
+
+
+def test_closing_the_pool_while_workers_send_large_results_returns():
+    """The clean-up path of an interrupted prepare and of a stopped stream: close() while workers are part-way
+    through sending results larger than a pipe holds. multiprocessing.Pool.terminate() deadlocked here in
+    about one try in five (a worker mid-send held the result queue's lock after the reader had stopped)."""
+    import threading
+
+    from trmoe.data.encode import make_pool
+
+    for _ in range(3):
+        pool = make_pool(2)
+        results = [pool.submit(np.ones, (2_000_000,), np.uint8) for _ in range(6)]
+        assert int(results[0].result().sum()) == 2_000_000
+        closing = threading.Thread(target=pool.close, daemon=True)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive(), "close() never returned"

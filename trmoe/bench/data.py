@@ -126,9 +126,9 @@ def _start_pool(workers: int) -> None:
 
     pool = make_pool(workers)
     try:
-        pool.apply(encode_documents, (["warm"], 0.01, 0))
+        pool.submit(encode_documents, ["warm"], 0.01, 0).result()
     finally:
-        pool.terminate()
+        pool.close()
 
 
 def bench_tokenizer(root: Path, reps: int) -> dict:

@@ -9,11 +9,13 @@ than memory streams through.
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -73,45 +75,73 @@ def _init_worker(parent: int) -> None:
     _die_with(parent)  # no worker outlives the process that started it
     # Ctrl-C, and a SIGTERM/SIGHUP sent to the whole process group, are the parent's to handle: it stops
     # the pool and removes its partial files. A worker of the group would print a KeyboardInterrupt
-    # traceback, and one killed while it holds the task queue's lock deadlocks Pool.terminate(); so the
-    # workers leave the group (and ignore Ctrl-C until they have).
+    # traceback, and one killed breaks the pool and loses the chunk it held; so the workers leave the group
+    # (and ignore Ctrl-C until they have).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)
     load_o200k()
 
 
-def make_pool(workers: int):
-    """A spawn-started process pool of `workers` tokenizer processes, or None for workers == 0.
+class WorkerPool:
+    """`workers` spawn-started tokenizer processes: a concurrent.futures.ProcessPoolExecutor.
 
-    The workers run only functions of this module, so they are started without the parent's __main__ (which
-    spawn re-imports by default: that would re-run a script without a `__main__` guard, and fails outright
-    for `python -` or `python -c`)."""
-    if workers <= 0:
-        return None
+    Not multiprocessing.Pool: its terminate() deadlocks when a worker is part-way through sending a large
+    result (the worker holds the result queue's lock while the pipe is full; terminate() first stops the
+    thread that reads the pipe, then waits for that lock). The executor's manager thread reads results until
+    its workers have exited, and a worker that dies fails the pending tasks (BrokenProcessPool) instead of
+    leaving them waiting forever."""
+
+    def __init__(self, workers: int):
+        self._executor = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(),),
+        )
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        with _spawning():  # the executor starts a worker inside submit() while it has fewer than `workers`
+            return self._executor.submit(fn, *args)
+
+    def close(self) -> None:
+        """Drops the tasks not started yet and returns once the workers have finished the ones they hold
+        (a chunk each) and exited."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _spawning() -> Iterator[None]:
+    """What a worker started inside this block needs from its parent.
+
+    The workers run only functions of this module, so they start without the parent's __main__ (which spawn
+    re-imports by default: that would re-run a script without a `__main__` guard, and fails outright for
+    `python -` or `python -c`). A worker is exposed to the group's Ctrl-C from its exec until _init_worker
+    ignores it, and one that gets it while importing `site` dies with a fatal error; so SIGINT stays blocked
+    here: the worker inherits the mask (the signal waits in it until _init_worker ignores it), and this
+    process receives its own Ctrl-C when the mask is restored."""
     main = sys.modules.get("__main__")
     saved = {name: getattr(main, name) for name in ("__spec__", "__file__") if hasattr(main, name)}
-    # A worker is exposed to the group's Ctrl-C from its exec until _init_worker ignores it: one that gets
-    # it while importing `site` dies with a fatal error. SIGINT stays blocked while the workers start: they
-    # inherit the mask (so it waits in them until _init_worker ignores it), and this process receives its
-    # own Ctrl-C when the mask is restored.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         if main is not None:
             main.__spec__ = None
             if "__file__" in saved:
                 del main.__file__
-        return multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(os.getpid(),)
-        )
+        yield
     finally:
         for name, value in saved.items():
             setattr(main, name, value)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+def make_pool(workers: int) -> WorkerPool | None:
+    """A pool of `workers` tokenizer processes, or None (tokenize inline) for workers == 0."""
+    return WorkerPool(workers) if workers > 0 else None
+
+
 def ordered_map(
-    pool, fn: Callable[..., Any], tasks: Iterable[tuple[Any, tuple]], max_in_flight: int
+    pool: WorkerPool | None, fn: Callable[..., Any], tasks: Iterable[tuple[Any, tuple]], max_in_flight: int
 ) -> Iterator[tuple[Any, Any]]:
     """For each (tag, args) of `tasks`, in order: (tag, fn(*args)), computed by `pool` (inline when pool is
     None) with at most `max_in_flight` tasks submitted ahead of the consumer. Tags stay in this process."""
@@ -121,10 +151,10 @@ def ordered_map(
         return
     pending: collections.deque = collections.deque()
     for tag, args in tasks:
-        pending.append((tag, pool.apply_async(fn, args)))
+        pending.append((tag, pool.submit(fn, *args)))
         if len(pending) >= max_in_flight:
             done_tag, result = pending.popleft()
-            yield done_tag, result.get()
+            yield done_tag, result.result()
     while pending:
         done_tag, result = pending.popleft()
-        yield done_tag, result.get()
+        yield done_tag, result.result()

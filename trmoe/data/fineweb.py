@@ -287,7 +287,7 @@ class _Producer(threading.Thread):
             self._put(exc)
         finally:
             if self.pool is not None:
-                self.pool.terminate()
+                self.pool.close()
 
     def stop(self) -> None:
         self.stop_event.set()

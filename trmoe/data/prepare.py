@@ -423,7 +423,7 @@ def prepare(
     except BaseException:
         with interruptions_deferred(reraise=False):  # a second Ctrl-C must not cut the clean-up short
             if pool is not None:
-                pool.terminate()
+                pool.close()
                 pool = None
             for writer in writers.values():
                 writer.abort()
@@ -436,7 +436,7 @@ def prepare(
     finally:
         bar.close()
         if pool is not None:
-            pool.terminate()
+            pool.close()
     indexes = {p: writer.close() for p, writer in writers.items()}
     write_token_counts(out, counts)
     elapsed = time.perf_counter() - start
