@@ -125,8 +125,9 @@ def _start_pool(workers: int) -> None:
     from trmoe.data.encode import encode_documents, make_pool
 
     pool = make_pool(workers)
-    try:
-        pool.submit(encode_documents, ["warm"], 0.01, 0).result()
+    try:  # one task per worker: the pool starts a worker per task submitted while none is idle
+        for result in [pool.submit(encode_documents, ["warm"], 0.01, 0) for _ in range(workers)]:
+            result.result()
     finally:
         pool.close()
 
