@@ -88,20 +88,21 @@ def folder_index(root: Path) -> dict[str, Entry]:
 
 def _store(file: Path, key: str, index: dict[str, Entry]) -> None:
     """Written whole (a temporary file renamed over it: a concurrent reader sees the old file or the new
-    one); only when JSON gives back exactly these entries (JSON turns a tuple or a non-string key into
-    something else); the folder's older index files are deleted."""
+    one), only when JSON gives back exactly these entries (JSON has no tuple, date or non-string key); the
+    older index files of the folder (other keys: never read again) are deleted either way."""
     try:
         entries = _encode(index)
         text = json.dumps({"key": key, "entries": entries})
         if json.loads(text)["entries"] != entries:
-            return
-    except (TypeError, ValueError):  # a YAML date, bytes, a set...: not cached
-        return
+            text = None
+    except (TypeError, ValueError):  # a YAML date, bytes, a set...
+        text = None
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
-            out.write(text)
-        os.replace(out.name, file)
+        if text is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
+                out.write(text)
+            os.replace(out.name, file)
         for old in file.parent.glob("lm_eval_tasks-*.json"):
             if old != file:
                 old.unlink(missing_ok=True)
