@@ -259,7 +259,8 @@ def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):
     folder.mkdir()
 
     def task(name: str, extra: str = "") -> None:  # the local task under another name, tagged
-        (folder / f"{name}.yaml").write_text(f"include: {TASKS / TASK}.yaml\ntask: {name}\ntag: [letters]\n{extra}")
+        text = f"include: {TASKS / TASK}.yaml\ntask: {name}\ntag: [letters]\n{extra}"
+        (folder / f"{name}.yaml").write_text(text)
 
     task("a_mc"), task("b_mc"), task(TASK)  # TASK: include_path's task of that name wins
     (folder / "both.yaml").write_text("group: both\ntask: [a_mc, b_mc]\n")
