@@ -248,8 +248,9 @@ def test_eval_keys_are_validated_before_anything_runs(tmp_path, key, expected):
 def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):
     """trmoe.eval.task_index on a small folder standing in for the harness's own: the manager equals the
     harness's TaskManager over the same folders (tasks, groups, tags; an include_path task overrides a
-    default of its name); a second manager reads the file (an entry taken out of it is missing); a task
-    added, edited or removed is seen at once, one file is kept; an index JSON cannot hold is not cached."""
+    default of its name); a second manager reads the file (an entry taken out of it is missing), an
+    unreadable file is written again; a task added, edited or removed is seen at once, one file is kept; an
+    index JSON cannot hold is not cached."""
     from lm_eval.tasks import TaskManager
 
     from trmoe.eval import task_index
@@ -279,6 +280,8 @@ def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):
     del stored["entries"]["b_mc"]
     cached.write_text(json.dumps(stored))
     assert "b_mc" not in Small().all_tasks and "a_mc" in Small().all_tasks  # read from the file
+    cached.write_text("{not json")  # unreadable: indexed again and written again
+    assert "b_mc" in Small().all_tasks and "b_mc" in json.loads(cached.read_text())["entries"]
     task("c_mc")  # added
     assert {"b_mc", "c_mc"} <= set(Small().all_tasks)
     task("c_mc", "metadata: {note: edited}\n")  # edited (its size)

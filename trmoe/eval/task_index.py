@@ -8,8 +8,9 @@ its tasks override default ones of the same name, as the harness's own order doe
 
 The file: `<cache_dir()>/lm_eval_tasks-<key>.json`. The key is a SHA-256 of the lm_eval version, the folder's
 path, and every file under it (relative path, size, mtime in ns; every file, since a YAML's `include:` may
-name one without the .yaml ending): a file added, removed or edited gives a new key, so a stale index is
-never read; writing a new file deletes the older ones. An index that JSON cannot hold exactly (checked before
+name one without the .yaml ending; the harness's own YAMLs include files of this folder only, 10,453
+includes in lm_eval 0.4.13): a file added, removed or edited gives a new key, so a stale index is never
+read; writing a new file deletes the older ones. An index that JSON cannot hold exactly (checked before
 writing), an lm_eval whose index entries or manager differ from the shape known here, or a cache folder that
 cannot be read or written: the harness's own indexing, as without the cache.
 """
@@ -73,17 +74,24 @@ def _decode(entries: dict) -> dict[str, Entry]:
 def folder_index(root: Path) -> dict[str, Entry]:
     """The harness's index of `root` ({name: Entry}, as TaskManager builds it), from the cache when its key
     matches, else built by the harness and written there."""
-    key = folder_key(root)
+    try:
+        key = folder_key(root)
+    except OSError:  # a file gone while the folder was walked (an upgrade under way): no cache this time
+        return _build(root)
     file = cache_dir() / f"lm_eval_tasks-{key}.json"
     try:
         stored = json.loads(file.read_text())
         if stored.get("key") == key:
             return _decode(stored["entries"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # absent, unreadable or of another shape: built again below
-    index = TaskManager(include_path=str(root), include_defaults=False)._index
+    index = _build(root)
     _store(file, key, index)
     return index
+
+
+def _build(root: Path) -> dict[str, Entry]:
+    return TaskManager(include_path=str(root), include_defaults=False)._index
 
 
 def _store(file: Path, key: str, index: dict[str, Entry]) -> None:
