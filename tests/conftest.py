@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,17 @@ from presets import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES
 # Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
+
+# trmoe's cache (lm-eval's task index, trmoe.eval.task_index) is a folder of this session, never the user's:
+# made by the first process (xdist's controller, whose workers and their children inherit it), removed at its
+# end. The session's first full index fills it; every later process reads it.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _CACHE = os.environ["TRMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="trmoe-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -68,6 +68,7 @@ def test_harness_accuracy_equals_the_hand_computation(lm):
     start = time.perf_counter()
     results = run_tasks(lm, [TASK], include_path=str(TASKS), log_samples=True, bootstrap_iters=0)
     seconds = time.perf_counter() - start
+    assert "pretty_env_info" not in results  # no `pip list` per call (trmoe.eval._no_machine_report)
     hand = _by_hand(lm.model)
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     assert len(samples) == len(hand) == 8
@@ -174,12 +175,17 @@ def test_the_harness_command_line_knows_every_model_and_trmoe(text_run, exported
     ]
     assert figures[0]["acc,none"] == figures[1]["acc,none"]
     assert figures[0]["perplexity,none"] == pytest.approx(figures[1]["perplexity,none"], rel=1e-3)
-    bad = cli(
-        ["--model", "trmoe", "--model_args", f"run={text_run},step=7", *common],
-        cwd=tmp_path,
-        module="trmoe.eval.harness",
-    )
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("trmoe: step=7")
+    # the harness's own results file, as lm_eval writes it: the machine's description included
+    assert "pretty_env_info" in json.loads(next((tmp_path / "ours").rglob("results_*.json")).read_text())
+    # run and step are checked before the harness indexes its tasks: nothing of it runs (its first log line)
+    for step, line in (("7", "trmoe: step=7: "), ("x", "trmoe: step=x: not an integer")):
+        bad = cli(
+            ["--model", "trmoe", "--model_args", f"run={text_run},step={step}", *common],
+            cwd=tmp_path,
+            module="trmoe.eval.harness",
+        )
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()], bad.stderr
+        assert bad.stderr.startswith(line), bad.stderr
 
 
 def test_help_lists_the_keys_and_their_defaults(tmp_path):
@@ -237,3 +243,66 @@ def test_eval_keys_are_validated_before_anything_runs(tmp_path, key, expected):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):
+    """trmoe.eval.task_index on a small folder standing in for the harness's own: the manager equals the
+    harness's TaskManager over the same folders (tasks, groups, tags; an include_path task overrides a
+    default of its name); a second manager reads the file (an entry taken out of it is missing), an
+    unreadable file is written again; a task added, edited or removed is seen at once, one file is kept; an
+    index JSON cannot hold is not cached."""
+    from lm_eval.tasks import TaskManager
+
+    from trmoe.eval import task_index
+
+    monkeypatch.setenv("TRMOE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "defaults"
+    folder.mkdir()
+
+    def task(name: str, extra: str = "") -> None:  # the local task under another name, tagged
+        text = f"include: {TASKS / TASK}.yaml\ntask: {name}\ntag: [letters]\n{extra}"
+        (folder / f"{name}.yaml").write_text(text)
+
+    task("a_mc"), task("b_mc"), task(TASK)  # TASK: include_path's task of that name wins
+    (folder / "both.yaml").write_text("group: both\ntask: [a_mc, b_mc]\n")
+
+    class Small(task_index.CachedTaskManager):
+        defaults = folder
+
+    def same_as_the_harness(ours: TaskManager) -> None:
+        theirs = TaskManager(include_path=[str(folder), str(TASKS)], include_defaults=False)
+        for attr in ("all_tasks", "all_subtasks", "all_groups", "all_tags", "task_index"):
+            assert getattr(ours, attr) == getattr(theirs, attr), attr
+
+    same_as_the_harness(Small(include_path=str(TASKS)))
+    (cached,) = (tmp_path / "cache").glob("lm_eval_tasks-*.json")
+    stored = json.loads(cached.read_text())
+    del stored["entries"]["b_mc"]
+    cached.write_text(json.dumps(stored))
+    assert "b_mc" not in Small().all_tasks and "a_mc" in Small().all_tasks  # read from the file
+    cached.write_text("{not json")  # unreadable: indexed again and written again
+    assert "b_mc" in Small().all_tasks and "b_mc" in json.loads(cached.read_text())["entries"]
+    task("c_mc")  # added
+    assert {"b_mc", "c_mc"} <= set(Small().all_tasks)
+    task("c_mc", "metadata: {note: edited}\n")  # edited (its size)
+    assert Small().task_index["c_mc"].cfg["metadata"] == {"note": "edited"}
+    (folder / "a_mc.yaml").unlink()  # removed
+    manager = Small(include_path=str(TASKS))
+    assert "a_mc" not in manager.all_tasks
+    same_as_the_harness(manager)
+    assert len(list((tmp_path / "cache").glob("lm_eval_tasks-*.json"))) == 1
+    task("d_mc", "metadata: {released: 2024-01-02}\n")  # a YAML date: JSON has none
+    assert "d_mc" in Small().all_tasks
+    assert list((tmp_path / "cache").glob("lm_eval_tasks-*.json")) == []  # the old key's file is stale
+
+
+def test_the_cache_folder_follows_xdg(tmp_path, monkeypatch):
+    from trmoe.eval.task_index import cache_dir
+
+    monkeypatch.delenv("TRMOE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "trmoe"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "trmoe"
+    monkeypatch.setenv("TRMOE_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"

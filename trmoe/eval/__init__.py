@@ -7,6 +7,7 @@ downloads off, so a task whose data is not on this machine is one line naming it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -24,15 +25,16 @@ def _harness():
         import lm_eval  # noqa: F401
     except ImportError:
         raise UserError("eval: needs lm-evaluation-harness; install: pip install 'trmoe[eval]'") from None
-    from lm_eval.tasks import TaskManager
+    from trmoe.eval.task_index import CachedTaskManager
 
-    return TaskManager
+    return CachedTaskManager
 
 
 @functools.lru_cache(maxsize=4)
 def _manager(include_path: str | None, defaults: bool):
-    """The harness's task index: its own ~15,000 task YAMLs take ~10 s to index, so local tasks alone are
-    indexed without them when they are all that is asked for; one index per process."""
+    """The harness's task index: its own ~15,000 task YAMLs take ~7 s to index, so local tasks alone are
+    indexed without them when they are all that is asked for; their index is kept on disk between
+    processes (trmoe.eval.task_index) and in memory for the process."""
     TaskManager = _harness()
     return TaskManager(include_path=include_path, include_defaults=defaults)
 
@@ -78,19 +80,41 @@ def run_tasks(
     log_samples: bool = False,
     bootstrap_iters: int = 100000,
 ) -> dict:
-    """The harness's results dict (results, configs, versions, n-samples; samples when asked)."""
+    """The harness's results dict (results, configs, versions, n-samples; samples when asked), without its
+    description of the machine (`_no_machine_report`)."""
     from lm_eval import simple_evaluate
 
     manager, _ = load_tasks(tasks, include_path)
-    results = simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,
-    )
+    with _no_machine_report():
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+            bootstrap_iters=bootstrap_iters,
+        )
     if results is None:
         raise RuntimeError("lm-eval returned no results")
     return results
+
+
+@contextlib.contextmanager
+def _no_machine_report():
+    """simple_evaluate ends every call by describing the machine into its results dict (git's hash, and
+    torch.utils.collect_env: `pip list`, nvidia-smi and more in child processes, ~1 s of CPU and 1-2 s of
+    wall each time, so at every in-training evaluation). trmoe keeps the figures only (the eval record:
+    results, n-samples, versions; the training columns), so those two steps do nothing during the call.
+    The harness's own command line (`trmoe-lm-eval`) does not come through here and still writes them."""
+    from lm_eval import evaluator
+
+    names = [n for n in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, n)]
+    saved = {n: getattr(evaluator, n) for n in names}
+    for name in names:
+        setattr(evaluator, name, lambda *_: None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(evaluator, name, value)

@@ -4,7 +4,9 @@ lm-evaluation-harness's own command line (every option of `lm_eval`; also `pytho
 with trmoe's model class registered as `trmoe` beside every model the harness knows (`--model hf
 --model_args pretrained=<export dir>` reads an export). The harness has no plugin hook for models: this module
 imports trmoe.eval.lm first, which loads the harness's own models before adding trmoe's (the harness fills
-its registry only while it is empty)."""
+its registry only while it is empty). Two differences from `lm_eval` itself, both for speed: the index of
+the harness's own task YAMLs is kept on disk between runs (trmoe.eval.task_index), and `--model trmoe`'s run
+and step are checked before anything is indexed."""
 
 from __future__ import annotations
 
@@ -23,14 +25,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(argv: list[str]) -> None:
+    import lm_eval.tasks
     from lm_eval.__main__ import cli_evaluate
 
-    saved = sys.argv
+    from trmoe.eval.task_index import CachedTaskManager
+
+    saved, harness_manager = sys.argv, lm_eval.tasks.TaskManager
     sys.argv = [saved[0] if saved else "trmoe.eval.harness", *argv]
+    # the harness builds its TaskManager from this name when it runs: the one that keeps its index on disk
+    lm_eval.tasks.TaskManager = CachedTaskManager
     try:
+        _check_trmoe_checkpoint()
         cli_evaluate()
     finally:
-        sys.argv = saved
+        sys.argv, lm_eval.tasks.TaskManager = saved, harness_manager
+
+
+def _check_trmoe_checkpoint() -> None:
+    """`--model trmoe`: the run and step of --model_args name a checkpoint, or one line, before the harness
+    indexes its ~15,000 task YAMLs (seconds) ahead of building the model. Parsed by the harness's own parser
+    (which reads sys.argv), so what is checked is what the harness will pass to the model."""
+    from lm_eval._cli import HarnessCLI
+
+    from trmoe.eval.lm import checkpoint_args
+    from trmoe.load import find_checkpoint
+
+    args = HarnessCLI().parse_args()
+    model_args = getattr(args, "model_args", None)
+    if getattr(args, "model", None) == "trmoe" and isinstance(model_args, dict):
+        find_checkpoint(*checkpoint_args(model_args.get("run"), model_args.get("step")))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,19 @@ from trmoe.load import load_model
 from trmoe.model.transformer import TRMoETransformer
 
 
+def checkpoint_args(run: str | Path | None, step: int | str | None) -> tuple[str | Path, int | None]:
+    """`--model_args run=...,step=...` of `--model trmoe` as load_model takes them (step latest, empty or
+    absent: the newest); UserError without a run."""
+    if run is None:
+        raise UserError("--model_args: run=<run dir> is required for --model trmoe")
+    if step in (None, "", "latest"):
+        return run, None
+    try:
+        return run, int(step)
+    except (TypeError, ValueError):
+        raise UserError(f"step={step}: not an integer; allowed: a checkpoint's step, or latest") from None
+
+
 @register_model("trmoe")
 class TRMoELM(TemplateLM):
     def __init__(
@@ -43,9 +56,7 @@ class TRMoELM(TemplateLM):
     ):
         super().__init__()
         if model is None:
-            if run is None:
-                raise UserError("--model_args: run=<run dir> is required for --model trmoe")
-            step = None if step in (None, "", "latest") else int(step)
+            run, step = checkpoint_args(run, step)
             if str(device).startswith("cuda") and not torch.cuda.is_available():
                 device = "auto"  # the harness's default device is cuda:0 even where there is none
             loaded = load_model(run, step, device=device, dtype=dtype)
