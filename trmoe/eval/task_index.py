@@ -22,13 +22,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
 import lm_eval.tasks
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._index import Entry, Kind
+
+from trmoe.durable import json_text, write_file
 
 log = logging.getLogger("trmoe")
 
@@ -95,12 +96,13 @@ def _build(root: Path) -> dict[str, Entry]:
 
 
 def _store(file: Path, key: str, index: dict[str, Entry]) -> None:
-    """Written whole (a temporary file renamed over it: a concurrent reader sees the old file or the new
-    one), only when JSON gives back exactly these entries (JSON has no tuple, date or non-string key); the
-    older index files of the folder (other keys: never read again) are deleted either way."""
+    """Written whole (trmoe.durable: a reader sees no file or the whole one; two processes writing the same
+    key write the same bytes), only when JSON gives back exactly these entries (JSON has no tuple, date or
+    non-string key); the older index files of the folder (other keys: never read again) are deleted either
+    way. No fsync: a lost file is indexed again."""
     try:
         entries = _encode(index)
-        text = json.dumps({"key": key, "entries": entries})
+        text = json_text({"key": key, "entries": entries})
         if json.loads(text)["entries"] != entries:
             text = None
     except (TypeError, ValueError):  # a YAML date, bytes, a set...
@@ -108,9 +110,7 @@ def _store(file: Path, key: str, index: dict[str, Entry]) -> None:
     try:
         if text is not None:
             file.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
-                out.write(text)
-            os.replace(out.name, file)
+            write_file(file, text, fsync=False)
         for old in file.parent.glob("lm_eval_tasks-*.json"):
             if old != file:
                 old.unlink(missing_ok=True)
