@@ -124,10 +124,9 @@ def bench_prepare(root: Path, text_mb: int, reps: int, workers: list[int]) -> di
 def _start_pool(workers: int) -> None:
     from trmoe.data.encode import encode_documents, make_pool
 
-    pool = make_pool(workers)
-    try:  # one task per worker: the pool starts a worker per task submitted while none is idle
-        for result in [pool.submit(encode_documents, ["warm"], 0.01, 0) for _ in range(workers)]:
-            result.result()
+    pool = make_pool(workers)  # returns once every worker has started and loaded the tokenizer
+    try:
+        pool.submit(encode_documents, ["warm"], 0.01, 0).result()
     finally:
         pool.close()
 

@@ -90,7 +90,11 @@ class WorkerPool:
     result (the worker holds the result queue's lock while the pipe is full; terminate() first stops the
     thread that reads the pipe, then waits for that lock). The executor's manager thread reads results until
     its workers have exited, and a worker that dies fails the pending tasks (BrokenProcessPool) instead of
-    leaving them waiting forever."""
+    leaving them waiting forever.
+
+    Every worker is started (and has loaded the tokenizer) when the constructor returns: the executor starts
+    a worker in each submit() made while none is idle, and a caller defers Ctrl-C around the start-up only
+    (an interrupted start leaves a half-started child that prints a traceback)."""
 
     def __init__(self, workers: int):
         self._executor = ProcessPoolExecutor(
@@ -99,10 +103,17 @@ class WorkerPool:
             initializer=_init_worker,
             initargs=(os.getpid(),),
         )
+        try:
+            with _spawning():
+                started = [self._executor.submit(os.getpid) for _ in range(workers)]
+            for worker in started:
+                worker.result()
+        except BaseException:
+            self.close()
+            raise
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        with _spawning():  # the executor starts a worker inside submit() while it has fewer than `workers`
-            return self._executor.submit(fn, *args)
+        return self._executor.submit(fn, *args)
 
     def close(self) -> None:
         """Drops the tasks not started yet and returns once the workers have finished the ones they hold
