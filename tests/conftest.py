@@ -13,6 +13,13 @@ import torch
 from helpers import compose_config, train_in_process
 from presets import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES
 
+# One intra-op thread in every test process and its children: the workers are as many as the cores, so a
+# second thread only oversubscribes them, and an OpenMP thread that waits for a busy core burns CPU (a
+# coordinate check with the other core busy: 2.6x the CPU of one thread, docs/performance.md). Set before a
+# child or a worker imports torch (both inherit the environment); a test that needs more threads sets them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Nothing downloads at test time: transformers, datasets and lm-eval read local files only.
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")

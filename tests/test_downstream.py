@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TIMING_COLUMNS, assert_same_run, cli, compose_config, drive, metrics_rows
-from presets import TRAINING_SENTENCES
+from presets import O200K_NARROW, TRAINING_SENTENCES
 
 pytest.importorskip("lm_eval")  # the `eval` extra (make test installs it)
 
@@ -35,6 +35,7 @@ def corpus(tmp_path_factory) -> Path:
 def run_args(corpus: Path, *extra: str) -> list[str]:
     return [
         "model=tiny",
+        *O200K_NARROW,
         "data=text",
         f"data.text_path={corpus}",
         "data.eval_fraction=0.2",

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_same_run, cli, compose_config, drive, metrics_rows
+from presets import O200K_NARROW
 
 from trmoe.config.resolve import to_config
 from trmoe.data.build import build_data
@@ -68,6 +69,7 @@ def mixture(root: Path, help_weight: float = 0.8, code_weight: float = 0.2) -> l
 
 
 RUN = [
+    *O200K_NARROW,
     f"trainer.seq_len={SEQ}",
     "trainer.eval_batches=1",
     "hardware=cpu",
