@@ -104,6 +104,9 @@ def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
             "ladder.lr_rule=mup arm=hash_vs_learned/learned",
             "routing.strategy=learned is not supported under mup",
         ),
+        # the report's bootstrap, refused as the app starts, not when the trained sweep is reported
+        ("hydra.callbacks.report.scaling_samples=5", "scaling_samples 5: allowed: an integer >= 10"),
+        ("hydra.callbacks.report.scaling_samples=many", "scaling_samples many: allowed: an integer >= 10"),
     ],
 )
 def test_a_bad_ladder_is_one_line_exit_2_and_nothing_written(tmp_path, override, says):
@@ -179,6 +182,7 @@ TINY_LADDER = [
     "optimizer.warmup_steps=2",
     "hardware.threads=1",
     "hydra.sweep.dir=grid",
+    "hydra.callbacks.report.scaling_samples=20",  # the report's bootstrap (100 by default)
 ]
 
 
@@ -238,6 +242,7 @@ def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(
     assert "## Scaling" in md
     section = md.split("## Scaling", 1)[1]
     assert "### Fits per arm" in section and "### Backtest" in section
+    assert "(20 replicates)" in section  # hydra.callbacks.report.scaling_samples
     points: dict[str, list] = {}
     rows = [r for r in _csv(tiny_ladder / REPORT_CSV) if r.get("ladder.arm")]
     assert len(rows) == 4 * 2 * 4

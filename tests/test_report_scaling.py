@@ -259,6 +259,7 @@ def test_downstream_accuracy_is_fitted_through_the_loss(report):
     [
         (["--scaling-n", "embedding"], "--scaling-n embedding: allowed: non_embedding_active, active"),
         (["--scaling-targets", "1b,9b"], "--scaling-targets 1b,9b: allowed: model profiles"),
+        (["--scaling-samples", "5"], "--scaling-samples 5: allowed: an integer >= 10"),
     ],
 )
 def test_bad_scaling_options_are_one_line_and_write_nothing(tmp_path, args, needle):

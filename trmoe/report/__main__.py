@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trmoe.cli import Parser, run
 from trmoe.report.build import REPORT_MD, build_report, parse_peak
-from trmoe.report.ladder import DEFAULT_N, N_KINDS, parse_scaling
+from trmoe.report.ladder import DEFAULT_N, MIN_SAMPLES, N_KINDS, Options, parse_scaling
 from trmoe.report.scaling_targets import DEFAULT_TARGETS
 
 
@@ -44,11 +44,17 @@ def _main(argv: list[str]) -> int:
         default=",".join(DEFAULT_TARGETS),
         help="a ladder's extrapolation targets: model profiles (conf/model), comma-separated",
     )
+    parser.add_argument(
+        "--scaling-samples",
+        type=int,
+        default=Options.samples,
+        help=f"bootstrap replicates of a ladder's intervals (default {Options.samples}, >= {MIN_SAMPLES})",
+    )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--quiet", action="store_true", help="do not print the Markdown")
     args = parser.parse_args(argv)
     peak = parse_peak(args.peak_tflops)  # as typed, so that the error line shows it
-    scaling = parse_scaling(args.scaling_n, args.scaling_targets)
+    scaling = parse_scaling(args.scaling_n, args.scaling_targets, args.scaling_samples)
     rep = build_report(
         args.paths,
         args.out,

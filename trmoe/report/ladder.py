@@ -54,8 +54,19 @@ class Options:
     seed: int = 0
 
 
-def parse_scaling(n_kind: str, targets: str) -> Options:
-    """--scaling-n and --scaling-targets, checked before anything is read or written."""
+MIN_SAMPLES = 10  # fewer replicates do not estimate a standard deviation worth an interval
+
+
+def parse_scaling(
+    n_kind: str, targets: str, samples: int = Options.samples, where: str = "--scaling-samples"
+) -> Options:
+    """--scaling-n, --scaling-targets and the bootstrap's replicates (`where` names their key in an error),
+    checked before anything is read or written."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
+        raise UserError(
+            f"report: {where} {samples}: allowed: an integer >= {MIN_SAMPLES} (bootstrap replicates; a "
+            "standard error needs a few dozen)"
+        )
     if n_kind not in N_KINDS:
         raise UserError(f"report: --scaling-n {n_kind}: allowed: {', '.join(N_KINDS)}")
     names = tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -65,7 +76,7 @@ def parse_scaling(n_kind: str, targets: str) -> Options:
             f"report: --scaling-targets {targets}: allowed: model profiles, comma-separated "
             f"({', '.join(allowed)})"
         )
-    return Options(n_kind=n_kind, targets=names)
+    return Options(n_kind=n_kind, targets=names, samples=samples)
 
 
 def n_of(params: dict, kind: str) -> float | None:
