@@ -1,5 +1,6 @@
 """The Hydra callback that writes the sweep report when a local --multirun ends (conf/config.yaml:
-hydra.callbacks.report). Hydra instantiates it for every run, so this module imports nothing heavy."""
+hydra.callbacks.report). Hydra instantiates it for every run, so this module imports nothing heavy, and its
+__init__ only the report's Scaling options (trmoe.report.ladder: no torch)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ from omegaconf import DictConfig
 
 
 class ReportCallback(Callback):
-    def __init__(self, control: str | None = None, enabled: bool = True, scaling_samples: int = 100) -> None:
+    def __init__(
+        self, control: str | None = None, enabled: bool = True, scaling_samples: int | None = None
+    ) -> None:
+        from trmoe.report.ladder import DEFAULT_N, Options, parse_scaling
+        from trmoe.report.scaling_targets import DEFAULT_TARGETS
+
         self.control = control  # the grid's control arm, e.g. "arm=routing_ablation/dense"
         self.enabled = enabled
-        self.scaling_samples = scaling_samples  # a ladder's bootstrap replicates (--scaling-samples)
-        self._scaling()  # a bad value is refused as the app starts, not after the sweep has trained
+        # a ladder's Scaling options: checked here, as the app starts, not after the sweep has trained
+        samples = Options.samples if scaling_samples is None else scaling_samples
+        where = "hydra.callbacks.report.scaling_samples"
+        self.scaling = parse_scaling(DEFAULT_N, ",".join(DEFAULT_TARGETS), samples, where)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.enabled:
@@ -30,17 +38,10 @@ class ReportCallback(Callback):
         save_multirun_config(sweep_dir, config)  # an Optuna sweep: its searched keys and study
 
         try:
-            rep = build_report([sweep_dir], sweep_dir, control=self.control, scaling=self._scaling())
+            rep = build_report([sweep_dir], sweep_dir, control=self.control, scaling=self.scaling)
         except Exception as e:  # the runs are written; a report problem must not hide them
             print(f"trmoe: the sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
             return
         for warning in rep.warnings:
             print(f"trmoe: report warning: {warning}", file=sys.stderr)
         print(f"trmoe: sweep report: {sweep_dir / REPORT_MD}", file=sys.stderr)
-
-    def _scaling(self):
-        from trmoe.report.ladder import DEFAULT_N, parse_scaling
-        from trmoe.report.scaling_targets import DEFAULT_TARGETS
-
-        where = "hydra.callbacks.report.scaling_samples"
-        return parse_scaling(DEFAULT_N, ",".join(DEFAULT_TARGETS), self.scaling_samples, where)
