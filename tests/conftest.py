@@ -27,13 +27,19 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 # trmoe's cache (lm-eval's task index, trmoe.eval.task_index) is a folder of this session, never the user's:
 # made by the first process (xdist's controller, whose workers and their children inherit it), removed at its
 # end. The session's first full index fills it; every later process reads it.
+# Compiled bytecode likewise: the ~150 child processes would each compile trmoe again (~0.2 s of CPU each)
+# where the machine says not to write bytecode (PYTHONDONTWRITEBYTECODE), so the session keeps it in a
+# folder of its own (PYTHONPYCACHEPREFIX), never beside the sources.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     _CACHE = os.environ["TRMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="trmoe-test-cache-")
+    _PYCACHE = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="trmoe-test-pycache-")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_unconfigure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         shutil.rmtree(_CACHE, ignore_errors=True)
+        shutil.rmtree(_PYCACHE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -278,8 +278,26 @@ def assert_latest_sane(run_dir: Path) -> None:
 
 DRIVER = Path(__file__).with_name("resume_driver.py")  # the app with one fault injected (its docstring)
 
-# What a driver child would import first: a server process imports it once and forks every child from it
-FORK_PRELOAD = ["resume_driver", "trmoe.train.__main__", "trmoe.train.loop", "torch._dynamo"]
+# What a driver child or a rank would import first: a server process imports it once and forks every child
+# from it (the distributed modules: what a rank's process group, FSDP2 and its checkpoint load)
+FORK_PRELOAD = [
+    "resume_driver",
+    "trmoe.train.__main__",
+    "trmoe.train.loop",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+]
+
+
+def fork_server():
+    """The multiprocessing context whose children are forked from this process's fork server (started at
+    the first child, with FORK_PRELOAD imported)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_PRELOAD)
+    return context
 
 
 def drive(fault: str, cwd: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -288,14 +306,10 @@ def drive(fault: str, cwd: Path, *overrides: str, timeout: float = 300) -> subpr
     from a multiprocessing fork server that has already imported the training stack: ~4 s of CPU less per
     child than a fresh interpreter, which is not what these tests are about. The child gets the environment
     the server started with (this process's at its first drive)."""
-    import multiprocessing
-
     import resume_driver
 
     cwd.mkdir(parents=True, exist_ok=True)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORK_PRELOAD)
-    child = context.Process(target=resume_driver.forked, args=(fault, list(overrides), str(cwd)))
+    child = fork_server().Process(target=resume_driver.forked, args=(fault, list(overrides), str(cwd)))
     child.start()
     child.join(timeout)
     if child.exitcode is None:
@@ -349,10 +363,10 @@ def descendants(pid: int) -> list[int]:
     return [d for c in children for d in (c, *descendants(c))]
 
 
-def run_ranks(run_dir: Path, overrides: list[str], nproc: int) -> None:
-    """DISTRIBUTED_TINY + overrides into run_dir (TRMOE_RUN_DIR): torchrun with nproc CPU ranks (gloo) in
-    a child process, or (nproc 1) the train app's main(argv) in this process, as `python -m trmoe.train`
-    runs it; the console output lands beside it as <name>.console."""
+def run_ranks(run_dir: Path, overrides: list[str], nproc: int, *, torchrun: bool = False) -> None:
+    """DISTRIBUTED_TINY + overrides into run_dir (TRMOE_RUN_DIR): nproc CPU ranks (gloo; launch_ranks), or
+    (nproc 1) the train app's main(argv) in this process, as `python -m trmoe.train` runs it; the console
+    output lands beside it as <name>.console."""
     if nproc == 1:  # nothing here needs a process of its own: the interpreter start-up is saved
         previous = os.environ.get("TRMOE_RUN_DIR")
         os.environ["TRMOE_RUN_DIR"] = str(run_dir)
@@ -364,12 +378,59 @@ def run_ranks(run_dir: Path, overrides: list[str], nproc: int) -> None:
             else:
                 os.environ["TRMOE_RUN_DIR"] = previous
     else:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "trmoe.train", *DISTRIBUTED_TINY, *overrides]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        out = launch_ranks([*DISTRIBUTED_TINY, *overrides], nproc, run_dir, torchrun=torchrun)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir.parent / f"{run_dir.name}.console").write_text(out.stdout + out.stderr)  # what the user saw
+
+
+def launch_ranks(
+    argv: list[str], nproc: int, run_dir: Path, *, torchrun: bool = False, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=<nproc> -m trmoe.train <argv>` into run_dir (TRMOE_RUN_DIR):
+    the exit code, and the ranks' stdout and stderr as torchrun's console shows them. With torchrun (one
+    test in each file that is about the launch itself) that very command; otherwise the ranks are real
+    processes forked from drive's fork server, each given what torchrun gives a rank (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same app and gloo process group without
+    torchrun's agent and nproc interpreters importing the training stack (~6 s of CPU a launch)."""
+    env = {"PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        return subprocess.run(
+            [*cmd, "-m", "trmoe.train", *argv],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    import socket
+
+    import resume_driver
+
+    with socket.socket() as s:  # a free port for the rendezvous (torchrun --standalone picks one too)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
+    env |= {"LOCAL_WORLD_SIZE": str(nproc)}
+    logs = run_dir.parent / f"{run_dir.name}.ranks"
+    logs.mkdir(parents=True, exist_ok=True)
+    ranks = []
+    for rank in range(nproc):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        args = ("none", list(argv), str(Path.cwd()), rank_env, str(logs / f"rank{rank}"))
+        ranks.append(fork_server().Process(target=resume_driver.forked, args=args))
+        ranks[-1].start()
+    deadline = time.monotonic() + timeout
+    for child in ranks:
+        child.join(max(deadline - time.monotonic(), 0))
+    hung = [child for child in ranks if child.exitcode is None]
+    for child in hung:  # a rank waiting in a collective for one that died
+        child.kill()
+        child.join()
+    code = 124 if hung else next((c.exitcode for c in ranks if c.exitcode), 0)
+    out, err = (
+        "".join((logs / f"rank{r}.{name}").read_text() for r in range(nproc)) for name in ("stdout", "stderr")
+    )
+    return subprocess.CompletedProcess(["torchrun", f"--nproc_per_node={nproc}", *argv], code, out, err)
 
 
 def train_losses(run_dir: Path) -> list[float]:

@@ -171,13 +171,16 @@ def run(fault: str, argv: list[str]) -> int:
     return main(argv)
 
 
-def forked(fault: str, argv: list[str], cwd: str) -> None:
-    """The target of helpers.drive's child (a process forked from a server that has the training stack
-    imported): `python resume_driver.py <fault> <argv>` from `cwd`, its stdout and stderr in
-    cwd/driver.stdout and cwd/driver.stderr."""
+def forked(
+    fault: str, argv: list[str], cwd: str, env: dict[str, str] | None = None, stem: str = "driver"
+) -> None:
+    """The target of a child of helpers.drive or helpers.launch_ranks (a process forked from a server that
+    has the training stack imported): `python resume_driver.py <fault> <argv>` from `cwd` with `env` added
+    to the environment, its stdout and stderr in <stem>.stdout and <stem>.stderr (relative to cwd)."""
     os.chdir(cwd)
-    for fd, name in ((1, "driver.stdout"), (2, "driver.stderr")):
-        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.environ.update(env or {})
+    for fd, suffix in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(f"{stem}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout.reconfigure(line_buffering=True)  # what the killed attempt printed is there, as unbuffered
     sys.exit(run(fault, argv))
 

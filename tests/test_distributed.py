@@ -25,8 +25,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "ddp_accum": (["trainer.micro_batch=1", "trainer.grad_accum=2"], 2),
         "fsdp": (["trainer.micro_batch=2", "hardware.strategy=fsdp", "checkpoint.every_steps=2"], 2),
     }
-    for name, (overrides, nproc) in cases.items():
-        run_ranks(root / name, overrides, nproc)
+    for name, (overrides, nproc) in cases.items():  # ddp through torchrun itself, the others forked ranks
+        run_ranks(root / name, overrides, nproc, torchrun=name == "ddp")
     # the FSDP run interrupted after its step-2 checkpoint: the same command resumes from the shards
     resumed = root / "fsdp_resumed"
     shutil.copytree(root / "fsdp", resumed)

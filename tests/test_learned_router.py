@@ -4,15 +4,13 @@ bit-exact resume, DDP and FSDP equal to the single process over the same micro-b
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMING_COLUMNS, cli, compose_config, metrics_rows
+from helpers import TIMING_COLUMNS, cli, compose_config, drive, launch_ranks, metrics_rows
 from presets import LEARNED_RUN as RUN
 
 from trmoe.config.resolve import to_config
@@ -141,15 +139,7 @@ def test_kill_then_resume_is_bit_exact(tmp_path):
         train(compose_config(*args), tmp_path / "base")
     finally:
         torch.set_num_threads(threads)
-    driver = Path(__file__).with_name("resume_driver.py")
-    killed = subprocess.run(
-        [sys.executable, str(driver), "step:6:forward", *args],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    killed = drive("step:6:forward", tmp_path, *args)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     run_dir = tmp_path / "runs" / "r"
     try:
@@ -176,7 +166,8 @@ def test_kill_then_resume_is_bit_exact(tmp_path):
 
 
 def _launch(run_dir: Path, overrides: list[str], nproc: int) -> subprocess.CompletedProcess:
-    """torchrun's ranks for nproc > 1; the single process in this one (it needs no process of its own)."""
+    """nproc ranks (helpers.launch_ranks) for nproc > 1; the single process in this one (it needs no process
+    of its own)."""
     steps = ["trainer.steps=4", "trainer.log_every=1"]
     if nproc == 1:
         threads = torch.get_num_threads()
@@ -185,12 +176,7 @@ def _launch(run_dir: Path, overrides: list[str], nproc: int) -> subprocess.Compl
         finally:
             torch.set_num_threads(threads)
         return subprocess.CompletedProcess(["train"], 0, "", "")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += ["-m", "trmoe.train"]
-    return subprocess.run(
-        [*cmd, *RUN, *steps, *overrides], env=env, capture_output=True, text=True, timeout=300
-    )
+    return launch_ranks([*RUN, *steps, *overrides], nproc, run_dir)
 
 
 @pytest.mark.subprocess

@@ -13,18 +13,15 @@ Parquet file streamed by `fineweb` (a reader with a cursor) — blended 0.8 / 0.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_run, cli, compose_config, drive, metrics_rows
+from helpers import assert_same_run, cli, compose_config, drive, launch_ranks, metrics_rows
 from presets import O200K_NARROW
 
 from trmoe.config.resolve import to_config
@@ -236,11 +233,9 @@ def test_a_weight_change_on_resume_is_refused_unless_forced(corpora, trained, tm
 @pytest.mark.subprocess
 def test_two_ranks_equal_one_at_the_same_global_batch(corpora, trained, tmp_path):
     run_dir = tmp_path / "ddp"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRMOE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     # the held-out set is eval_batches x micro_batch windows: 2 x 4 on each rank = the single run's 1 x 8
-    cmd += ["-m", "trmoe.train", *mixture(corpora), *RUN, "trainer.micro_batch=4", "trainer.eval_batches=2"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    argv = [*mixture(corpora), *RUN, "trainer.micro_batch=4", "trainer.eval_batches=2"]
+    out = launch_ranks(argv, 2, run_dir, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     single, ddp = metrics_rows(trained), metrics_rows(run_dir)
     assert [r["step"] for r in ddp] == [r["step"] for r in single]

@@ -11,14 +11,17 @@ cmd=${1:-start}
 state=${2:-/tmp/trmoe-slurm}
 mkdir -p "$state"
 
-stop() {
+stop() {  # all three told at once, then waited for (each takes 1-2 s to end)
+  local pids=() pid
   for name in slurmd slurmctld munged; do
     if [ -f "$state/$name.pid" ]; then
       pid=$(cat "$state/$name.pid")
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill "$pid" 2>/dev/null && pids+=("$pid")
       rm -f "$state/$name.pid"
     fi
+  done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   done
 }
 
