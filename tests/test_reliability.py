@@ -19,7 +19,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import child_env, cli, compose_config, descendants, python, run_cli, text_documents, wait_until
+from helpers import (
+    child_env,
+    cli,
+    compose_config,
+    descendants,
+    fork_server,
+    python,
+    run_cli,
+    text_documents,
+    wait_until,
+)
 from presets import DATA_FAST as FAST
 from presets import RELIABILITY_TINY as TINY
 
@@ -134,11 +144,24 @@ def test_a_requeue_of_the_same_slurm_job_takes_over_a_lock_a_lost_node_still_hol
 
 @pytest.mark.subprocess
 def test_default_run_names_and_sweep_directories_are_unique_within_one_second(tmp_path):
-    """Three default-named launches started together get three directories (before: one, by the clock's
-    second); each composition resolves its own name once (one launch, one value)."""
-    procs = [_spawn([*TINY, "trainer.steps=1"], tmp_path) for _ in range(3)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    """Three default-named launches started together (processes forked from the fork server: they start
+    within milliseconds of each other) get three directories (before: one, by the clock's second); each
+    composition resolves its own name once (one launch, one value)."""
+    import resume_driver
+
+    procs = [
+        fork_server().Process(
+            target=resume_driver.forked,
+            args=("none", [*TINY, "trainer.steps=1"], str(tmp_path), {}, f"launch{i}"),
+        )
+        for i in range(3)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(600)
+    outs = [(tmp_path / f"launch{i}.stderr").read_text() for i in range(3)]
+    assert [p.exitcode for p in procs] == [0, 0, 0], outs
     runs = sorted((tmp_path / "runs").iterdir())
     assert len(runs) == 3 and all(_status(r)["status"] == "finished" for r in runs)
     assert all(not (r / LOCK_FILE).exists() for r in runs)
