@@ -387,8 +387,8 @@ def launch_ranks(
     argv: list[str], nproc: int, run_dir: Path, *, torchrun: bool = False, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=<nproc> -m trmoe.train <argv>` into run_dir (TRMOE_RUN_DIR):
-    the exit code, and the ranks' stdout and stderr as torchrun's console shows them. With torchrun (one
-    test in each file that is about the launch itself) that very command; otherwise the ranks are real
+    the exit code, and the ranks' stdout and stderr as torchrun's console shows them. With torchrun (the
+    run whose console and rank logs test_distributed reads) that very command; otherwise the ranks are real
     processes forked from drive's fork server, each given what torchrun gives a rank (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same app and gloo process group without
     torchrun's agent and nproc interpreters importing the training stack (~6 s of CPU a launch)."""
