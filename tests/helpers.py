@@ -300,17 +300,26 @@ def fork_server():
     return context
 
 
+def start_forked(
+    fault: str, argv: list[str], cwd: Path, env: dict[str, str] | None = None, stem: str = "driver"
+):
+    """A started child forked from the fork server running resume_driver.forked (the train app with `fault`,
+    from `cwd`, `env` added, its stdout and stderr in <stem>.stdout and <stem>.stderr): the Process."""
+    import resume_driver
+
+    child = fork_server().Process(target=resume_driver.forked, args=(fault, list(argv), str(cwd), env, stem))
+    child.start()
+    return child
+
+
 def drive(fault: str, cwd: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python resume_driver.py <fault> <overrides>` from `cwd` (created), as a real child process that dies
     or exits as that command would (returncode -9 for a SIGKILL), its stdout and stderr. The child is forked
     from a multiprocessing fork server that has already imported the training stack: ~4 s of CPU less per
     child than a fresh interpreter, which is not what these tests are about. The child gets the environment
     the server started with (this process's at its first drive)."""
-    import resume_driver
-
     cwd.mkdir(parents=True, exist_ok=True)
-    child = fork_server().Process(target=resume_driver.forked, args=(fault, list(overrides), str(cwd)))
-    child.start()
+    child = start_forked(fault, list(overrides), cwd)
     child.join(timeout)
     if child.exitcode is None:
         child.kill()
@@ -404,21 +413,19 @@ def launch_ranks(
         )
     import socket
 
-    import resume_driver
-
     with socket.socket() as s:  # a free port for the rendezvous (torchrun --standalone picks one too)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
-    env |= {"LOCAL_WORLD_SIZE": str(nproc)}
+    env["LOCAL_WORLD_SIZE"] = str(nproc)
     logs = run_dir.parent / f"{run_dir.name}.ranks"
     logs.mkdir(parents=True, exist_ok=True)
-    ranks = []
-    for rank in range(nproc):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        args = ("none", list(argv), str(Path.cwd()), rank_env, str(logs / f"rank{rank}"))
-        ranks.append(fork_server().Process(target=resume_driver.forked, args=args))
-        ranks[-1].start()
+    ranks = [
+        start_forked(
+            "none", argv, Path.cwd(), {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(logs / f"rank{r}")
+        )
+        for r in range(nproc)
+    ]
     deadline = time.monotonic() + timeout
     for child in ranks:
         child.join(max(deadline - time.monotonic(), 0))

@@ -174,9 +174,9 @@ def run(fault: str, argv: list[str]) -> int:
 def forked(
     fault: str, argv: list[str], cwd: str, env: dict[str, str] | None = None, stem: str = "driver"
 ) -> None:
-    """The target of a child of helpers.drive or helpers.launch_ranks (a process forked from a server that
-    has the training stack imported): `python resume_driver.py <fault> <argv>` from `cwd` with `env` added
-    to the environment, its stdout and stderr in <stem>.stdout and <stem>.stderr (relative to cwd)."""
+    """The target of helpers.start_forked's child (a process forked from a server that has the training
+    stack imported): `python resume_driver.py <fault> <argv>` from `cwd` with `env` added to the environment,
+    its stdout and stderr in <stem>.stdout and <stem>.stderr (relative to cwd)."""
     os.chdir(cwd)
     os.environ.update(env or {})
     for fd, suffix in ((1, "stdout"), (2, "stderr")):

@@ -24,9 +24,9 @@ from helpers import (
     cli,
     compose_config,
     descendants,
-    fork_server,
     python,
     run_cli,
+    start_forked,
     text_documents,
     wait_until,
 )
@@ -147,17 +147,7 @@ def test_default_run_names_and_sweep_directories_are_unique_within_one_second(tm
     """Three default-named launches started together (processes forked from the fork server: they start
     within milliseconds of each other) get three directories (before: one, by the clock's second); each
     composition resolves its own name once (one launch, one value)."""
-    import resume_driver
-
-    procs = [
-        fork_server().Process(
-            target=resume_driver.forked,
-            args=("none", [*TINY, "trainer.steps=1"], str(tmp_path), {}, f"launch{i}"),
-        )
-        for i in range(3)
-    ]
-    for proc in procs:
-        proc.start()
+    procs = [start_forked("none", [*TINY, "trainer.steps=1"], tmp_path, stem=f"launch{i}") for i in range(3)]
     for proc in procs:
         proc.join(600)
     outs = [(tmp_path / f"launch{i}.stderr").read_text() for i in range(3)]
