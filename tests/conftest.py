@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, train_in_process
+from helpers import compose_config, descendants, train_in_process
 from presets import RESUME_SMALL, TEXT_RUN, TRAINING_SENTENCES
 
 # One intra-op thread in every test process and its children: the workers are as many as the cores, so a
@@ -30,6 +31,13 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 # Compiled bytecode likewise: the ~150 child processes would each compile trmoe again (~0.2 s of CPU each)
 # where the machine says not to write bytecode (PYTHONDONTWRITEBYTECODE), so the session keeps it in a
 # folder of its own (PYTHONPYCACHEPREFIX), never beside the sources.
+# The Ctrl-C tests send SIGINT to a child as a terminal would. A suite started in the background of a
+# non-interactive shell (`make test &`) inherits SIGINT ignored, and every child would inherit that too (an
+# ignored signal stays ignored across exec, and trmoe leaves it so, as it should): Python's own handler
+# here, which exec resets to the default in a child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 if "PYTEST_XDIST_WORKER" not in os.environ:
     _CACHE = os.environ["TRMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="trmoe-test-cache-")
     _PYCACHE = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="trmoe-test-pycache-")
@@ -77,6 +85,36 @@ def _keep_thread_count():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# The command lines of the children a test may leave running when it fails half-way (a timeout, a wait
+# that never ends): a trmoe app, a driver or a torchrun agent.
+_OURS = ("trmoe", "resume_driver", "torch.distributed.run")
+
+
+@pytest.fixture(autouse=True)
+def _no_child_outlives_its_test():
+    """Whatever a test started and left running is killed when it ends, with everything below it: a failed
+    test's run of 100000 steps would otherwise burn a core under the rest of the suite, and after it. The
+    fork server (helpers.fork_server) lives for the session; the runs forked from it do not."""
+    import multiprocessing.forkserver
+
+    before = set(descendants(os.getpid()))
+    yield
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    for pid in descendants(os.getpid()):
+        if pid in before or pid == server:
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        if any(mark in command for mark in _OURS):
+            for leftover in (pid, *descendants(pid)):
+                try:
+                    os.kill(leftover, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 @pytest.fixture(scope="session")

@@ -365,10 +365,17 @@ def text_documents(n: int, seed: int = 0) -> list[str]:
 
 
 def descendants(pid: int) -> list[int]:
+    """The process ids below `pid` (each child, then its own); one that ends during the walk is left out."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # it ended
+        return []
     children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids = (task / "children").read_text().split()
-        children += [int(k) for k in kids]
+    for task in tasks:
+        try:
+            children += [int(k) for k in (task / "children").read_text().split()]
+        except FileNotFoundError:  # that thread ended while we read
+            continue
     return [d for c in children for d in (c, *descendants(c))]
 
 
