@@ -25,12 +25,6 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
-# trmoe's cache (lm-eval's task index, trmoe.eval.task_index) is a folder of this session, never the user's:
-# made by the first process (xdist's controller, whose workers and their children inherit it), removed at its
-# end. The session's first full index fills it; every later process reads it.
-# Compiled bytecode likewise: the ~150 child processes would each compile trmoe again (~0.2 s of CPU each)
-# where the machine says not to write bytecode (PYTHONDONTWRITEBYTECODE), so the session keeps it in a
-# folder of its own (PYTHONPYCACHEPREFIX), never beside the sources.
 # The Ctrl-C tests send SIGINT to a child as a terminal would. A suite started in the background of a
 # non-interactive shell (`make test &`) inherits SIGINT ignored, and every child would inherit that too (an
 # ignored signal stays ignored across exec, and trmoe leaves it so, as it should): Python's own handler
@@ -38,6 +32,12 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# trmoe's cache (lm-eval's task index, trmoe.eval.task_index) is a folder of this session, never the user's:
+# made by the first process (xdist's controller, whose workers and their children inherit it), removed at its
+# end. The session's first full index fills it; every later process reads it.
+# Compiled bytecode likewise: the ~150 child processes would each compile trmoe again (~0.2 s of CPU each)
+# where the machine says not to write bytecode (PYTHONDONTWRITEBYTECODE), so the session keeps it in a
+# folder of its own (PYTHONPYCACHEPREFIX), never beside the sources.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     _CACHE = os.environ["TRMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="trmoe-test-cache-")
     _PYCACHE = os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="trmoe-test-pycache-")
@@ -94,9 +94,10 @@ _OURS = ("trmoe", "resume_driver", "torch.distributed.run")
 
 @pytest.fixture(autouse=True)
 def _no_child_outlives_its_test():
-    """Whatever a test started and left running is killed when it ends, with everything below it: a failed
-    test's run of 100000 steps would otherwise burn a core under the rest of the suite, and after it. The
-    fork server (helpers.fork_server) lives for the session; the runs forked from it do not."""
+    """A trmoe process (_OURS) that a test started and left running is killed when the test ends, with
+    everything below it: a failed test's run of 100000 steps would otherwise burn a core under the rest of
+    the suite, and after it. The fork server (helpers.fork_server) lives for the session; the runs forked
+    from it do not."""
     import multiprocessing.forkserver
 
     before = set(descendants(os.getpid()))
