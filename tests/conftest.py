@@ -87,35 +87,43 @@ def _keep_thread_count():
     torch.set_num_threads(threads)
 
 
-# The command lines of the children a test may leave running when it fails half-way (a timeout, a wait
-# that never ends): a trmoe app, a driver or a torchrun agent.
-_OURS = ("trmoe", "resume_driver", "torch.distributed.run")
+def _ours(pid: int) -> bool:
+    """Whether the process is one a test launches and may leave running when it fails half-way (a timeout,
+    a wait that never ends): a trmoe app or console script, a driver or a torchrun agent. Read from its
+    argv, not from its whole command line: a checkout in a folder named trmoe puts that name in every
+    path, the venv's interpreter included (multiprocessing's resource tracker, inductor's compile workers)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except FileNotFoundError:
+        return False
+    program = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else Path(argv[min(1, len(argv) - 1)]).name
+    return (
+        program.startswith("trmoe")
+        or program in ("resume_driver.py", "torch.distributed.run")
+        or Path(argv[0]).name.startswith("trmoe-")
+    )
 
 
 @pytest.fixture(autouse=True)
 def _no_child_outlives_its_test():
-    """A trmoe process (_OURS) that a test started and left running is killed when the test ends, with
-    everything below it: a failed test's run of 100000 steps would otherwise burn a core under the rest of
-    the suite, and after it. The fork server (helpers.fork_server) lives for the session; the runs forked
-    from it do not."""
+    """A process of ours (_ours; or a run forked from the fork server) that a test started and left running
+    is killed when the test ends, with everything below it: a failed test's run of 100000 steps would
+    otherwise burn a core under the rest of the suite, and after it. The fork server (helpers.fork_server)
+    itself lives for the session."""
     import multiprocessing.forkserver
 
     before = set(descendants(os.getpid()))
     yield
     server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    forked = set(descendants(server)) if server else set()
     for pid in descendants(os.getpid()):
-        if pid in before or pid == server:
+        if pid in before or pid == server or not (pid in forked or _ours(pid)):
             continue
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except FileNotFoundError:
-            continue
-        if any(mark in command for mark in _OURS):
-            for leftover in (pid, *descendants(pid)):
-                try:
-                    os.kill(leftover, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for leftover in (pid, *descendants(pid)):
+            try:
+                os.kill(leftover, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture(scope="session")
