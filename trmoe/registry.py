@@ -1,0 +1,234 @@
+"""Variant registries: the one mechanism behind every extension axis (optimizers, data sources, route tables).
+
+A *variant* is one object that says everything trmoe needs to know about it (its options dataclass, builder,
+validation, docs row, ...); what those fields are is the axis's business (`trmoe.optim.variant`,
+`trmoe.data.variant`, `trmoe.model.routing.Strategy`). A registry finds the variants of one axis in two
+places, once per process, on first use:
+
+- **built-ins**: every module of one package (`trmoe.optim.variants`, ...) that defines `VARIANT`, found by
+  `pkgutil`, so adding a built-in is adding one module. The config layer reads the registries without
+  loading torch, so a variant module imports only the standard library and `trmoe.errors`/`trmoe.registry`
+  at module level, and everything heavy inside its functions (`tests/test_imports.py` checks it);
+- **plug-ins**: the entry points of the axis's group (`trmoe.optimizers`, `trmoe.data_sources`,
+  `trmoe.routing`) declared by any installed distribution (docs/extending.md). Each is loaded here; one
+  that fails to import, is of the wrong type or clashes with a name already taken is remembered with a
+  one-line reason and is an error only for a run that selects it.
+
+Every variant has an `Origin`: built-in, or the plug-in's distribution, version and entry point. A run
+records the origin of each variant it selects (run_config.json `plugins`), and a resume refuses when a
+plug-in's distribution version changed (`trmoe.run.identity`: the version is training-critical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Generic, TypeVar
+
+from trmoe.errors import UserError
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a variant comes from: trmoe itself (`dist` None), or a plug-in's distribution."""
+
+    dist: str | None = None  # the distribution that declares the entry point
+    version: str | None = None  # its version
+    entry_point: str | None = None  # "module:attribute"
+
+    @property
+    def plugin(self) -> bool:
+        return self.dist is not None
+
+    def record(self) -> dict[str, str | None]:
+        """What run_config.json keeps of a selected plug-in."""
+        return {"dist": self.dist, "version": self.version, "entry_point": self.entry_point}
+
+
+class Registry(Generic[V]):
+    """The variants of one axis by name: built-ins first (in `order`, then by name), then plug-ins by name.
+
+    `check(variant)` raises TypeError/ValueError with a short reason when an object is not a valid variant of
+    the axis (a plug-in's declaration goes through it; a built-in failing it is a bug and raises)."""
+
+    def __init__(
+        self,
+        axis: str,
+        *,
+        group: str,
+        package: str | None,
+        check: Callable[[Any], None],
+        extra: Callable[[], dict[str, V]] | None = None,
+    ):
+        self.axis = axis  # the config key that selects a variant, as users write it: "optimizer"
+        self.group = group  # the entry-point group plug-ins declare
+        self._package = package
+        self._check = check
+        self._extra = extra  # built-ins that are not modules of `package` (the route-table constructions)
+        self._variants: dict[str, V] | None = None
+        self._origins: dict[str, Origin] = {}
+        self._broken: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lookup
+
+    def names(self) -> tuple[str, ...]:
+        """Every usable name, built-ins first."""
+        return tuple(self._load())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def items(self) -> list[tuple[str, V]]:
+        return list(self._load().items())
+
+    def get(self, name: str) -> V:
+        """The variant called `name`; a UserError (one line, exit 2) naming a broken plug-in and its reason,
+        or the allowed names."""
+        variants = self._load()
+        key = getattr(name, "value", name)
+        if key in variants:
+            return variants[key]
+        if key in self._broken:
+            raise UserError(f"{self.axis}={key}: {self._broken[key]}")
+        raise UserError(f"{self.axis}={key}: unknown; allowed: {', '.join(variants)}")
+
+    def origin(self, name: str) -> Origin:
+        self._load()
+        return self._origins.get(getattr(name, "value", name), Origin())
+
+    @property
+    def broken(self) -> dict[str, str]:
+        """Plug-ins that could not be used: name -> the reason (one line)."""
+        self._load()
+        return dict(self._broken)
+
+    def exclude(self, name: str, reason: str) -> None:
+        """Take a plug-in out (a clash found only once all variants are known): selecting it says `reason`."""
+        variants = self._load()
+        origin = self._origins.get(name)
+        if origin is None or not origin.plugin:
+            raise RuntimeError(f"built-in {self.axis} {name!r}: {reason}")
+        del variants[name]
+        self._broken[name] = f"{self._who(name, origin)} is broken: {reason}"
+
+    def _who(self, name: str, origin: Origin) -> str:
+        where = f"{origin.dist} {origin.version}, entry point {origin.entry_point} in {self.group}"
+        return f"plug-in {name!r} ({where})"
+
+    # ------------------------------------------------------------------ discovery
+
+    def _load(self) -> dict[str, V]:
+        if self._variants is None:
+            builtins = dict(self._extra()) if self._extra else {}
+            if self._package is not None:
+                builtins.update(_builtin_modules(self._package, self._check))
+            variants = dict(sorted(builtins.items(), key=lambda kv: (getattr(kv[1], "order", 100), kv[0])))
+            for ep in _entry_points(self.group):
+                self._add_plugin(variants, ep)
+            self._variants = variants
+        return self._variants
+
+    def _add_plugin(self, variants: dict[str, V], ep: metadata.EntryPoint) -> None:
+        dist = getattr(ep, "dist", None)
+        origin = Origin(
+            dist=dist.name if dist is not None else "?",
+            version=dist.version if dist is not None else "?",
+            entry_point=ep.value,
+        )
+        who = self._who(ep.name, origin)
+        if ep.name in variants:
+            if self._origins.get(ep.name) == origin:
+                return  # the same distribution seen twice on sys.path
+            self._broken.setdefault(ep.name, f"{who}: the name is taken by another {self.axis}; rename it")
+            return
+        try:
+            variant = ep.load()
+            self._check(variant)
+            declared = getattr(variant, "name", ep.name)
+            if declared != ep.name:
+                raise ValueError(
+                    f"it declares the name {declared!r}; the entry point's name must be the same"
+                )
+        except Exception as e:  # anything a broken plug-in raises: it must not stop runs that do not use it
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self._broken[ep.name] = f"{who} is broken: {type(e).__name__}: {reason}"
+            return
+        variants[ep.name] = variant
+        self._origins[ep.name] = origin
+
+
+def _builtin_modules(package: str, check: Callable[[Any], None]) -> dict[str, Any]:
+    pkg = importlib.import_module(package)
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        variant = getattr(module, "VARIANT", None)
+        if variant is None:
+            continue
+        check(variant)  # a built-in that fails this is trmoe's bug: let it raise
+        found[variant.name] = variant
+    return found
+
+
+def _entry_points(group: str) -> list[metadata.EntryPoint]:
+    """The group's entry points, once per (name, value): a distribution found twice on sys.path is one."""
+    seen, out = set(), []
+    for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        if (ep.name, ep.value) not in seen:
+            seen.add((ep.name, ep.value))
+            out.append(ep)
+    return out
+
+
+def check_options(options: Any) -> None:
+    """A variant's options: a dataclass (or None: no options) whose fields all have defaults."""
+    if options is None:
+        return
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"options must be a dataclass, got {options!r}")
+    for f in dataclasses.fields(options):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"option {f.name!r} has no default")
+
+
+def with_options(name: str, base: type, registry: Registry[Any], options_of: Callable[[Any], Any]) -> type:
+    """The config section of an axis: `base`'s fields (the keys every variant shares), then each variant's
+    options (`options_of(variant)`, a dataclass or None) in registry order, flat: `<axis>.<option>`. Options
+    keep the names they always had (`optimizer.muon_lr_scale`), so configs and run_config.json files written
+    before the registries compose as they did. A plug-in option whose name is already a key is excluded
+    (one line when selected); two built-ins clashing is trmoe's bug and raises."""
+    fields: list[tuple[str, Any, Any]] = []
+    taken = {f.name for f in dataclasses.fields(base)}
+    for variant_name, variant in registry.items():
+        options = options_of(variant)
+        if options is None:
+            continue
+        own = dataclasses.fields(options)
+        clash = sorted(f.name for f in own if f.name in taken)
+        if clash:
+            registry.exclude(
+                variant_name, f"its option {registry.axis}.{clash[0]} is already a key; rename it"
+            )
+            continue
+        for f in own:
+            default = (
+                dataclasses.field(default=f.default)
+                if f.default is not dataclasses.MISSING
+                else dataclasses.field(default_factory=f.default_factory)
+            )
+            fields.append((f.name, f.type, default))
+            taken.add(f.name)
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
+    cls.__module__ = base.__module__
+    return cls
