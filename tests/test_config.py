@@ -16,11 +16,11 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from presets import FAST_CPU
 
 from trmoe.config.resolve import to_config
-from trmoe.config.schema import GROUPS, Config
+from trmoe.config.schema import GROUPS, Config, group_options
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 
-GROUP_OPTIONS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
+GROUP_OPTIONS = sorted((group, option) for group in GROUPS for option in group_options(group))
 
 
 def test_every_group_has_options_and_a_default():

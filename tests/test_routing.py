@@ -23,7 +23,12 @@ from trmoe.model.routing import (
 
 V_REAL = 200_019  # the o200k vocabulary size used by the models
 HASHED = ("random", "affine_hash", "multi_hash")  # statistically balanced strategies
-EXACT = ("modulo_cyclic", "balanced_hash", "balanced_secondary")  # up to one token per expert and slot
+EXACT = (
+    "modulo_cyclic",
+    "balanced_hash",
+    "balanced_secondary",
+    "contiguous_blocks",
+)  # up to one token per expert and slot
 NEAR = ("balanced_hash_all_tuples",)  # up to one token per tuple, two per expert and slot
 
 
@@ -193,6 +198,7 @@ GOLDEN_SHA256_PREFIX = {
     "random_shared": "9f8b39f879bdfdfc",
     "balanced_hash_all_tuples": "8463d1063903b83c",
     "balanced_secondary": "d032e9185798fcf8",
+    "contiguous_blocks": "ef524ac644714214",
 }
 
 
@@ -242,7 +248,7 @@ def test_affine_hash_matches_scalar_reference():
         assert t[:, tok].tolist() == [(base + k * stride) % experts for k in range(3)]
 
 
-@pytest.mark.parametrize("strategy", ["modulo_cyclic", "random", "balanced_hash"])
+@pytest.mark.parametrize("strategy", ["modulo_cyclic", "contiguous_blocks", "random", "balanced_hash"])
 def test_permutation_strategies_match_scalar_references(strategy):
     """The strategies that draw from the layer's generator, token by token as docs/routing.md writes them
     (the golden fingerprints above can only say that a table changed, not which of code and doc is right)."""
@@ -253,6 +259,11 @@ def test_permutation_strategies_match_scalar_references(strategy):
     if strategy == "modulo_cyclic":
         labels = rng.permutation(experts)
         expected = [[(labels[t % experts] + k) % experts for k in range(top_k)] for t in range(vocab)]
+    elif strategy == "contiguous_blocks":  # E blocks of consecutive ids: block floor(t E / V)
+        labels = rng.permutation(experts)
+        expected = [
+            [(labels[t * experts // vocab] + k) % experts for k in range(top_k)] for t in range(vocab)
+        ]
     elif strategy == "random":  # E uniform keys per token, in token order; the K smallest, smallest first
         keys = rng.random((vocab, experts))
         expected = [sorted(range(experts), key=lambda e, t=t: keys[t, e])[:top_k] for t in range(vocab)]

@@ -52,7 +52,8 @@ class Origin:
 
 
 class Registry(Generic[V]):
-    """The variants of one axis by name: built-ins first (in `order`, then by name), then plug-ins by name.
+    """The variants of one axis by name: built-ins first (`extra`'s in their order, then the package's modules
+    by `order` and name), then plug-ins by name.
 
     `check(variant)` raises TypeError/ValueError with a short reason when an object is not a valid variant of
     the axis (a plug-in's declaration goes through it; a built-in failing it is a bug and raises)."""
@@ -70,7 +71,7 @@ class Registry(Generic[V]):
         self.group = group  # the entry-point group plug-ins declare
         self._package = package
         self._check = check
-        self._extra = extra  # built-ins that are not modules of `package` (the route-table constructions)
+        self._extra = extra  # built-ins that are not modules of `package`, in their order (route tables)
         self._variants: dict[str, V] | None = None
         self._origins: dict[str, Origin] = {}
         self._broken: dict[str, str] = {}
@@ -128,10 +129,10 @@ class Registry(Generic[V]):
 
     def _load(self) -> dict[str, V]:
         if self._variants is None:
-            builtins = dict(self._extra()) if self._extra else {}
+            variants = dict(self._extra()) if self._extra else {}  # in the order given
             if self._package is not None:
-                builtins.update(_builtin_modules(self._package, self._check))
-            variants = dict(sorted(builtins.items(), key=lambda kv: (getattr(kv[1], "order", 100), kv[0])))
+                modules = _builtin_modules(self._package, self._check)
+                variants.update(sorted(modules.items(), key=lambda kv: (getattr(kv[1], "order", 100), kv[0])))
             for ep in _entry_points(self.group):
                 self._add_plugin(variants, ep)
             self._variants = variants

@@ -21,7 +21,8 @@ from omegaconf import MISSING, OmegaConf
 
 from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
-from trmoe.model.routing import ALL_STRATEGIES
+from trmoe.model.routing import ALL_STRATEGIES, STRATEGY_REGISTRY
+from trmoe.registry import Registry
 
 
 class AttentionKind(str, Enum):
@@ -580,9 +581,36 @@ def _stamp(pattern: str) -> str:
     return f"{time.strftime(pattern)}-{secrets.token_hex(3)}"
 
 
+# The groups whose options are a registry's variants: the key that names the variant, and the registry.
+VARIANT_GROUPS: dict[str, tuple[str, Registry]] = {
+    "routing": ("strategy", STRATEGY_REGISTRY),
+}
+
+
+def _has_preset(group: str, name: str) -> bool:
+    from importlib.resources import files
+
+    return files("trmoe.conf").joinpath(group, f"{name}.yaml").is_file()
+
+
+def group_options(group: str, plugins: bool = True) -> list[str]:
+    """Every option `<group>=<option>` takes: the YAML presets of conf/<group>/ and, for a variant group,
+    every registered variant (generated where trmoe ships no preset); `plugins=False`: trmoe's own only."""
+    from importlib.resources import files
+
+    folder = files("trmoe.conf").joinpath(group)
+    presets = {p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml")}
+    if group in VARIANT_GROUPS:
+        registry = VARIANT_GROUPS[group][1]
+        presets.update(n for n in registry.names() if plugins or not registry.origin(n).plugin)
+    return sorted(presets)
+
+
 def register() -> None:
-    """Register the schemas so YAML files can extend them (`defaults: [/base_<group>@_here_]`), and the
-    `trmoe.run_name` and `trmoe.stamp` resolvers used by hydra.run.dir and hydra.sweep.dir."""
+    """Register the schemas so YAML files can extend them (`defaults: [/base_<group>@_here_]`), a group
+    option for every variant of a registry that has no YAML preset in conf/<group>/ (`routing=<a plug-in's
+    table>`, `optimizer=lion`: a new variant needs no file here), and the `trmoe.run_name` and
+    `trmoe.stamp` resolvers used by hydra.run.dir and hydra.sweep.dir."""
     OmegaConf.register_new_resolver("trmoe.run_name", _run_name, replace=True)
     OmegaConf.register_new_resolver("trmoe.stamp", _stamp, use_cache=True, replace=True)
     cs = ConfigStore.instance()
@@ -591,6 +619,11 @@ def register() -> None:
     for group, node in GROUPS.items():
         # at the top level, not in the group: a schema is no option of its group (`--help`, shell completion)
         cs.store(name=f"base_{group}", node=node)
+    for group, (key, registry) in VARIANT_GROUPS.items():
+        for name in registry.names():
+            if not _has_preset(group, name):  # (a preset and a node of one name would merge as a schema)
+                defaults = [f"/base_{group}@_here_", "_self_"]
+                cs.store(group=group, name=name, node={"defaults": defaults, key: name})
 
 
 register()

@@ -16,6 +16,9 @@ Strategies:
 * ``modulo_cyclic``: ``pi`` a per-layer permutation of the expert labels;
   ``r_0(t) = pi[t mod E]``, ``r_k(t) = (r_0(t) + k) mod E``. The token partition is the same in
   every layer, only the labels change. Counts per expert per slot differ by at most 1.
+* ``contiguous_blocks``: ``pi`` a per-layer permutation of the expert labels;
+  ``r_0(t) = pi[floor(t * E / V)]``, ``r_k(t) = (r_0(t) + k) mod E``: E contiguous blocks of ids (a locality
+  control: neighbouring ids share their experts). Counts per expert per slot differ by at most 1.
 * ``random``: each token draws an independent, uniformly random ordered K-subset of the experts
   (the K smallest of E uniform keys, in order). Balance is statistical only.
 * ``balanced_hash``: a per-layer random permutation of the token ids gives each token a rank
@@ -74,6 +77,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trmoe.data.shards import TOKEN_COUNTS_NAME
+from trmoe.errors import UserError
+from trmoe.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -227,6 +232,13 @@ def _smallest_k(keys: np.ndarray, top_k: int) -> np.ndarray:
 def _modulo_cyclic(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
     pi = _rng(salt).permutation(experts)
     r0 = pi[np.arange(vocab, dtype=np.int64) % experts]
+    k = np.arange(top_k, dtype=np.int64)[:, None]
+    return (r0[None, :] + k) % experts
+
+
+def _contiguous_blocks(vocab: int, experts: int, top_k: int, salt: int) -> np.ndarray:
+    pi = _rng(salt).permutation(experts)
+    r0 = pi[np.arange(vocab, dtype=np.int64) * experts // vocab]
     k = np.arange(top_k, dtype=np.int64)[:, None]
     return (r0[None, :] + k) % experts
 
@@ -488,7 +500,7 @@ def _from_embedding(dispersed: bool, what: str) -> Strategy:
     )
 
 
-REGISTRY: dict[str, Strategy] = {
+_BUILTIN: dict[str, Strategy] = {
     "modulo_cyclic": Strategy(
         lambda a: _modulo_cyclic(a.vocab, a.experts, a.top_k, a.salt),
         "exact (differ by <= 1)",
@@ -554,6 +566,13 @@ REGISTRY: dict[str, Strategy] = {
         "12",
         "the engine's `token_id_multi_hash`",
     ),
+    "contiguous_blocks": Strategy(
+        lambda a: _contiguous_blocks(a.vocab, a.experts, a.top_k, a.salt),
+        "exact (differ by <= 1)",
+        "labels only (same partition)",
+        "4",
+        "new: a locality control (neighbouring ids, often related merges, share their experts)",
+    ),
     "bigram_hash": _hashed("bigram", "the (previous id, id) pair, hashed on the fly"),
     "prev_token_hash": _hashed("prev", "the previous token id only, hashed on the fly"),
     "position_hash": _hashed("position", "the position in the row only (content-free control)"),
@@ -591,6 +610,23 @@ REGISTRY: dict[str, Strategy] = {
     ),
 }
 
+
+def _check_plugin(strategy: Any) -> None:
+    """A plug-in strategy (entry point group `trmoe.routing`) is a route table: routers and hashed keys
+    need model code of their own."""
+    if not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"a routing plug-in must be a trmoe.model.routing.Strategy, got {type(strategy).__name__}"
+        )
+    if not strategy.has_table or strategy.key != "token" or strategy.analysis_only or strategy.router:
+        raise ValueError("a routing plug-in must be a route table (build set, key 'token', no router)")
+
+
+# The built-ins above (in this order: docs/routing.md's table), then the route tables of installed plug-ins.
+STRATEGY_REGISTRY: Registry[Strategy] = Registry(
+    "routing.strategy", group="trmoe.routing", package=None, check=_check_plugin, extra=lambda: _BUILTIN
+)
+REGISTRY: dict[str, Strategy] = dict(STRATEGY_REGISTRY.items())
 ALL_STRATEGIES: tuple[str, ...] = tuple(REGISTRY)  # every value routing.strategy takes
 # the strategies with a route table that need nothing but the sizes and the seed
 STRATEGIES: tuple[str, ...] = tuple(
@@ -606,7 +642,7 @@ def strategy_table() -> str:
         "| ordered pairs at E = 4, K = 2 | K = 2 rows of K = 4 | the old runner's name |",
         "|---|---|---|---|---|---|",
     ]
-    for name, s in REGISTRY.items():
+    for name, s in _BUILTIN.items():  # trmoe's own: a user's plug-ins do not change its docs
         nested = "n/a" if s.learned else ("yes" if s.nested_k else "no")
         rows.append(f"| `{name}` | {s.balance} | {s.layers} | {s.tuples} | {nested} | {s.origin} |")
     return "\n".join(rows) + "\n"
@@ -650,9 +686,36 @@ def build_route_table(
         raise ValueError(
             f"balanced_hash_all_tuples: E!/(E-K)! = {tuple_count(experts, k)} tuples > {MAX_TUPLES}"
         )
-    table = entry.build(TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies, embedding))
+    args = TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies, embedding)
+    origin = STRATEGY_REGISTRY.origin(name)
+    try:
+        table = np.asarray(entry.build(args))
+        _check_table(name, table, vocab, experts, k)
+    except Exception as e:
+        if not origin.plugin:
+            raise
+        # a plug-in's failure is the user's to fix: one line naming it (trmoe's own tables raise as bugs)
+        raise UserError(
+            f"routing.strategy={name}: the plug-in ({origin.dist} {origin.version}, {origin.entry_point}) "
+            f"failed to build layer {lay}'s table: {type(e).__name__}: {e}"
+        ) from None
     dtype = np.uint8 if experts <= 256 else np.int16
     return torch.from_numpy(np.ascontiguousarray(table.astype(dtype)))
+
+
+def _check_table(name: str, table: np.ndarray, vocab: int, experts: int, top_k: int) -> None:
+    """What every construction must give (a plug-in's too): [K, V] integer expert ids in [0, E), the K
+    routes of each token distinct."""
+    if table.shape != (top_k, vocab) or table.dtype.kind not in "iu":
+        raise ValueError(
+            f"routing strategy {name!r} built a {table.dtype} table of shape {table.shape}; "
+            f"allowed: integers of shape ({top_k}, {vocab})"
+        )
+    if vocab and (int(table.min()) < 0 or int(table.max()) >= experts):
+        raise ValueError(f"routing strategy {name!r} built expert ids outside 0..{experts - 1}")
+    ordered = np.sort(table, axis=0)
+    if top_k > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        raise ValueError(f"routing strategy {name!r} routes a token twice to one expert")
 
 
 def load_token_counts(path: str) -> np.ndarray:

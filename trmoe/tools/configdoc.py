@@ -84,7 +84,15 @@ SECTIONS = [
 ]
 
 
+# The enums of a registry's names are not spelt out here: a new variant (a plug-in's too) changes no line of
+# this page; each registry's own table lists its variants.
+VARIANT_ENUMS = {schema.RoutingStrategy: "a registered strategy (docs/routing.md's table)"}
+VARIANT_OPTIONS = {"routing": "one per registered strategy (`routing=multi_hash`: docs/routing.md's table)"}
+
+
 def _type_name(tp: object) -> str:
+    if tp in VARIANT_ENUMS:
+        return VARIANT_ENUMS[tp]
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " \\| ".join(m.value for m in tp)
     origin = typing.get_origin(tp)
@@ -104,10 +112,13 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _options(group: str) -> str:
-    folder = CONF_DIR / group
-    if not folder.is_dir():
+    if not (CONF_DIR / group).is_dir():
         return ""
-    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    if group in VARIANT_OPTIONS:
+        presets = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        listed = ", ".join(f"`{group}={n}`" for n in presets)
+        return f"Options: {VARIANT_OPTIONS[group]}; the presets {listed}.\n\n"
+    names = schema.group_options(group, plugins=False)
     return "Options: " + ", ".join(f"`{group}={n}`" for n in names) + ".\n\n"
 
 
