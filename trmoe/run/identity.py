@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config.plugins import selected_plugins
 from trmoe.config.schema import AttentionKind, Config
 from trmoe.data.build import global_batch_tokens
 
@@ -60,6 +61,7 @@ VOLATILE_KEYS = (
     "data.pin_memory",
     "data.verify",
     "derived.world_size",
+    "derived.plugins.*.entry_point",  # where a plug-in lives; its distribution and version are critical
     "derived.eval_windows",  # follows trainer.eval_batches and micro_batch; the report keeps sets apart
     "data_info.path",  # location; the content is identified by its hashes
     "data_info.*.path",  # (nested: data_info.shards.train.path, data_info.stream.path)
@@ -112,6 +114,7 @@ def config_container(raw_cfg: DictConfig) -> dict[str, Any]:
 
 def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) -> dict[str, Any]:
     t = cfg.trainer
+    plugins = selected_plugins(cfg)
     return {
         "global_batch_tokens": global_batch_tokens(t, world_size),
         "precision": "fp32" if amp_dtype is None else str(amp_dtype).replace("torch.", ""),
@@ -119,6 +122,9 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
         # the held-out set: its first eval_batches x micro_batch windows (docs/data.md). Volatile, but an
         # evaluation on another number of windows is another set: the report compares only equal ones
         "eval_windows": t.eval_batches * t.micro_batch,
+        # the selected plug-ins' distributions and versions (critical); only when there are any, so a run
+        # without plug-ins records what it recorded before them
+        **({"plugins": plugins} if plugins else {}),
     }
 
 
