@@ -36,7 +36,6 @@ import torch
 
 from trmoe.config.schema import Config, InitState
 from trmoe.errors import UserError
-from trmoe.load import find_checkpoint
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
     TORCH_PAYLOAD,
@@ -47,6 +46,7 @@ from trmoe.run.checkpoint import (
     load_local_state,
     model_shapes,
 )
+from trmoe.run.find import find_checkpoint
 from trmoe.run.identity import ABSENT
 from trmoe.train.preflight import meta_model, stored_config
 
