@@ -247,7 +247,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
-    from trmoe.data.build import global_batch_tokens
+    from trmoe.config.derived import global_batch_tokens
     from trmoe.optim.build import group_layout
 
     info, state = source.info, source.state.value
