@@ -1,6 +1,16 @@
 """The import structure of trmoe (docs/architecture.md): no circle between modules or between packages, the
-packages in layers that import only downwards (one upward arrow, named below with its reason), a torch-free
-config layer, and CLI error paths that answer before torch is loaded.
+packages in layers that import only downwards (one upward arrow, named below with its reason), the five
+must-never-import rules (each a test below, `test_rule_*`), and CLI error paths that answer before torch is
+loaded.
+
+The five rules (docs/architecture.md, "The package layout"):
+1. run/ never imports train/ or model/.
+2. model/ never imports data/.
+3. config/ never loads torch.
+4. Nothing but run/ finds a checkpoint: `find_checkpoint` is defined in trmoe/run/ alone, every import of it
+   comes from there, and train/ never imports trmoe.load (the model loader of sample, export and eval).
+5. Nothing but config/derived.py computes the batch: its functions are defined there alone and every import
+   of them comes from there; data/ below the config takes the numbers as arguments.
 
 The static graph is read from the source (every `import`, at module level or inside a function, but not
 under `if TYPE_CHECKING:`, which never runs); the import-weight checks run in a fresh interpreter."""
@@ -22,10 +32,11 @@ PACKAGE = ROOT / "trmoe"
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
-    ("trmoe.cli",),  # the tools' argument parser
+    # the tools' argument parser; the registry of the extension axes (built-in modules, plug-ins)
+    ("trmoe.cli", "trmoe.registry"),
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
-    ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
-    ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec
+    ("trmoe.model",),  # the model and its routing (handed the token-count file by the config: no data/)
+    ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec, derived
     ("trmoe.runtime", "trmoe.generate", "trmoe.loss"),  # device, ranks, parallel wrapping; decoding; the loss
     ("trmoe.run",),  # the run directory's lifecycle: launch, checkpoints, records, status, lock, signals
     ("trmoe.optim", "trmoe.load", "trmoe.report", "trmoe.convert", "trmoe.match"),
@@ -164,10 +175,10 @@ def test_packages_import_only_downwards():
     assert _cycle(folders) is None
 
 
-def test_run_imports_neither_train_nor_model():
-    """The run lifecycle (trmoe/run/) imports nothing of the model or the training (lazy imports too). Below
-    it, the config layer reads the routing strategies' registry (trmoe.model.routing, without torch); in a
-    fresh interpreter that imports every run module, that registry is all of model/ there is."""
+def test_rule_1_run_imports_neither_train_nor_model():
+    """Rule 1: the run lifecycle (trmoe/run/) imports nothing of the model or the training (lazy imports
+    too). Below it, the config layer reads the routing strategies' registry (trmoe.model.routing, without
+    torch); in a fresh interpreter that imports every run module, that registry is all of model/ there is."""
     run_modules = sorted(n for n in MODULES if _package(n) == "trmoe.run")
     direct = sorted(
         f"{n} -> {t}" for n in run_modules for t in GRAPH[n] if t.startswith(("trmoe.train", "trmoe.model"))
@@ -188,14 +199,107 @@ def _fresh(code: str) -> str:
     ).stdout.strip()
 
 
-def test_the_config_layer_loads_no_torch():
-    """`import trmoe.config.schema` (and every module of trmoe/config) leaves torch unloaded: the CLIs
-    compose and validate a config before they pay for torch."""
+def test_rule_3_the_config_layer_loads_no_torch():
+    """Rule 3: `import trmoe.config.schema` (and every module of trmoe/config, derived.py's batch arithmetic
+    included) leaves torch unloaded: the CLIs compose and validate a config before they pay for torch."""
     assert _fresh("import sys, trmoe.config.schema; print('torch' in sys.modules)") == "False"
     assert _fresh("import sys, trmoe.config; print('torch' in sys.modules)") == "False"
     config = sorted(n for n in MODULES if n.startswith("trmoe.config."))
     code = f"import importlib, sys\nfor n in {config!r}: importlib.import_module(n)\n"
     assert _fresh(code + "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "['numpy']"
+
+
+def test_rule_2_model_imports_no_data():
+    """Rule 2: model/ never imports data/ (lazy imports too): the model is handed what it reads (a frequency
+    strategy's token-count file is resolved to its path by the config layer, trmoe.config.validate's
+    frequencies_path), never a data file name. In a fresh interpreter that imports every model module, no
+    data module comes with them."""
+    model_modules = sorted(n for n in MODULES if _package(n) == "trmoe.model")
+    direct = sorted(f"{n} -> {t}" for n in model_modules for t in GRAPH[n] if _package(t) == "trmoe.data")
+    assert direct == []
+    code = (
+        "import importlib, sys\n"
+        f"for name in {model_modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('trmoe.data')))\n"
+    )
+    assert _fresh(code) == "[]"
+
+
+def _defined_and_imported(name: str) -> tuple[list[str], list[str]]:
+    """The trmoe modules that define a top-level function `name`, and `module:line <- source` for every
+    `from source import name` in trmoe and the tests (lazy imports too)."""
+    defined, imported = [], []
+    files = [(module, path) for module, (path, _) in MODULES.items()]
+    files += [(f"tests.{path.stem}", path) for path in sorted((ROOT / "tests").glob("*.py"))]
+    for module, path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body):
+            defined.append(module)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(alias.name == name for alias in node.names):
+                imported.append(f"{module}:{node.lineno} <- {'.' * node.level}{node.module or ''}")
+    return defined, imported
+
+
+# Rules 4 and 5: a function that only its home computes -> its home (defined there alone, imported from it).
+# (The planner's optimizer memory joins this table with its move into trmoe/optim/: optimizer_state_bytes.)
+HOMES = {
+    "find_checkpoint": "trmoe.run.find",
+    **dict.fromkeys(
+        (
+            "micro_batch_tokens",
+            "rank_batch_samples",
+            "global_batch_samples",
+            "global_batch_tokens",
+            "eval_windows",
+            "eval_tokens",
+        ),
+        "trmoe.config.derived",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOMES))
+def test_a_function_lives_in_its_home_alone(name):
+    """Rules 4 and 5, name by name: the function is defined in its home module and nowhere else in trmoe
+    (no copy of the arithmetic, no second way to find a checkpoint), and whoever imports it by name imports
+    it from its home (no re-export)."""
+    defined, imported = _defined_and_imported(name)
+    assert defined == [HOMES[name]]
+    assert [line for line in imported if not line.endswith(f"<- {HOMES[name]}")] == []
+
+
+def test_rule_4_only_run_finds_a_checkpoint():
+    """Rule 4: finding a run's checkpoint is the run directory's business (trmoe/run/find.py): eval/ and
+    train/ import `find_checkpoint` from run/, never from trmoe.load, and train/ never imports trmoe.load at
+    all (a branch reads its parent's checkpoint through run/, never the loader of sample, export and
+    eval)."""
+    defined, imported = _defined_and_imported("find_checkpoint")
+    assert defined == ["trmoe.run.find"]
+    users = {line.split(":")[0] for line in imported}
+    assert {"trmoe.load", "trmoe.train.init_from", "trmoe.eval.harness", "trmoe.eval.__main__"} <= users
+    assert all(line.endswith("<- trmoe.run.find") for line in imported), imported
+    train = sorted(f"{n} -> {t}" for n, ts in GRAPH.items() if _package(n) == "trmoe.train" for t in ts)
+    assert [arrow for arrow in train if arrow.endswith("-> trmoe.load")] == []
+
+
+def test_rule_5_only_config_derived_computes_the_batch():
+    """Rule 5: the batch arithmetic (samples and tokens per step, per micro-batch, per evaluation) is
+    trmoe/config/derived.py's: the functions above live there alone, the modules that need a batch size
+    import them from there, and data/ (below the config) never imports trmoe.config but through
+    data/build.py, the one upward arrow: the rest of data/ takes the numbers as arguments
+    (pipeline.micro_batch_samples, sampler.eval_batches)."""
+    users = {
+        n
+        for n, targets in GRAPH.items()
+        for t in targets
+        if t == "trmoe.config.derived" or t.startswith("trmoe.config.derived.")
+    }
+    assert {"trmoe.data.build", "trmoe.run.identity", "trmoe.train.trainer", "trmoe.plan.build"} <= users
+    data = [n for n in MODULES if _package(n) == "trmoe.data"]
+    data_to_config = sorted(n for n in data for t in GRAPH[n] if _package(t) == "trmoe.config")
+    assert set(data_to_config) <= {"trmoe.data.build"}, data_to_config
 
 
 _CLI = (

@@ -11,9 +11,9 @@ import torch
 from helpers import cli, compose_config
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from trmoe.config.derived import global_batch_tokens
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
-from trmoe.data.build import global_batch_tokens
 from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.flops import flops_breakdown
 from trmoe.model.transformer import TRMoETransformer, count_parameters

@@ -1,9 +1,10 @@
 """Load a trained model: the one mechanism `trmoe.sample`, `trmoe.export` and `trmoe.eval` share.
 
 A run directory, its checkpoints/ directory or one checkpoint (step_XXXXXXXX) -> the checkpoint (the newest
-complete one, or a chosen step), verified against its meta.json; the model is rebuilt from the config that
-checkpoint recorded (meta.json["config"], the run's own composed config) and takes its weights and route
-tables, whichever format wrote them (torch: one file; dcp: torch.distributed.checkpoint, FSDP/DDP runs).
+complete one, or a chosen step), verified against its meta.json (`trmoe.run.find`: finding a checkpoint is
+the run directory's business); the model is rebuilt from the config that checkpoint recorded
+(meta.json["config"], the run's own composed config) and takes its weights and route tables, whichever
+format wrote them (torch: one file; dcp: torch.distributed.checkpoint, FSDP/DDP runs).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import torch
 from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec, TRMoETransformer
-
-ALLOWED_PATHS = "a run directory, its checkpoints/ directory or one checkpoint step_XXXXXXXX"
+from trmoe.run.find import find_checkpoint
 
 
 @dataclass
@@ -38,47 +38,6 @@ class LoadedModel:
     def text_vocab(self) -> bool:
         """Whether the model reads o200k_base ids (text prompts can be encoded for it)."""
         return self.spec.vocab_size == O200K_VOCAB
-
-
-def find_checkpoint(path: str | Path, step: int | None = None):
-    """The verified checkpoint (CheckpointInfo) of `path` at `step` (None: the newest complete one)."""
-    from trmoe.run.checkpoint import META, CheckpointError, CheckpointStore
-    from trmoe.run.rundir import RunDir
-
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"run {path}: no such file or directory; allowed: {ALLOWED_PATHS}")
-    if (path / META).is_file():  # one checkpoint
-        store, only = CheckpointStore(path.parent), path
-    else:
-        checkpoints = RunDir(path).checkpoints
-        store = CheckpointStore(checkpoints if checkpoints.is_dir() else path)
-        only = None
-    if only is not None:
-        try:
-            info = store.verify(only)
-        except CheckpointError as e:
-            raise UserError(f"checkpoint {e}") from None
-        if step is not None and info.step != step:
-            raise UserError(f"step={step}: {only} is step {info.step}; allowed: {info.step}")
-        return info
-    steps = store.step_dirs()
-    if not steps:
-        raise UserError(f"run {path}: holds no checkpoint; allowed: {ALLOWED_PATHS} with one")
-    if step is not None:
-        found = [p for s, p in steps if s == step]
-        if not found:
-            raise UserError(
-                f"step={step}: {path} has no checkpoint of that step; allowed: {[s for s, _ in steps]}"
-            )
-        try:
-            return store.verify(found[0])
-        except CheckpointError as e:
-            raise UserError(f"checkpoint {e}") from None
-    info = store.newest_good()
-    if info is None:
-        raise UserError(f"run {path}: no complete checkpoint (every one failed its check; see the warnings)")
-    return info
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:

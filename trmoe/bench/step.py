@@ -15,6 +15,7 @@ from importlib import resources
 import torch
 
 from trmoe.bench.common import Parser, add_device, matmul_peak_flops, positive_int, record, sync
+from trmoe.config.derived import micro_batch_tokens
 from trmoe.config.schema import HardwareConfig
 from trmoe.errors import UserError
 from trmoe.model.flops import datasheet_peak, flops_per_token  # the formula the planner uses too
@@ -108,7 +109,7 @@ class Arm:
 
     def result(self) -> dict:
         t = self.t
-        tokens = t.micro_batch * t.seq_len
+        tokens = micro_batch_tokens(t)
         seconds = {k: statistics.median(v) for k, v in self.split.items()}
         step_s = sum(seconds.values())
         each = [sum(parts) for parts in zip(*self.split.values(), strict=True)]  # every measured step

@@ -71,9 +71,9 @@ def check_jobs_compose(jobs: list[list[str]]) -> None:
 def _check_ladder(cfg, budgets: bool) -> None:
     """A ladder job's config, and (once per rung) its budgets (trmoe.config.ladder.plan, at one rank's
     tokens per step)."""
+    from trmoe.config.derived import global_batch_tokens
     from trmoe.config.ladder import plan
     from trmoe.config.resolve import to_config
-    from trmoe.data.build import global_batch_tokens
 
     checked = to_config(cfg)
     if budgets:

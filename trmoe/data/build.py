@@ -1,6 +1,7 @@
 """The data sources' builders: from a run's config to its DataPipeline (trmoe.data.pipeline), one builder per
 `data.source` (random, a corpus, token shards, fineweb, a mixture of these), each checking its input before
-anything is written (every UserError of the data happens here), and the batch sizes the config implies.
+anything is written (every UserError of the data happens here). The batch sizes the config implies are
+trmoe.config.derived's, as everywhere else.
 
 Over 400 lines on purpose: each builder is the whole story of one source (its config keys, its checks, what
 run_config.json records of it); they share the helpers at the top. The only module of trmoe/data that reads
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trmoe.config import derived
 from trmoe.config.schema import Config, DataSource, MixtureSourceConfig, TrainerConfig
 from trmoe.data.corpus import SPLIT_RULE, load_corpus
 from trmoe.data.evalsets import describe_streams, scored_bytes, scored_tokens
@@ -30,16 +32,6 @@ from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_f
 from trmoe.errors import UserError
 
 log = logging.getLogger("trmoe")
-
-
-def global_batch_samples(t: TrainerConfig, world_size: int) -> int:
-    """B, the global batch in samples (sequences) of one optimizer step: micro_batch x grad_accum x world."""
-    return t.micro_batch * t.grad_accum * world_size
-
-
-def global_batch_tokens(t: TrainerConfig, world_size: int) -> int:
-    """tokens_per_step: micro_batch x seq_len x world x grad_accum (the loop, resume checks, the planner)."""
-    return global_batch_samples(t, world_size) * t.seq_len
 
 
 def _digest(value: Any) -> str:
@@ -84,7 +76,7 @@ def _require_o200k_vocab(cfg: Config, vocab_size: int) -> None:
 
 def _check_one_batch(windows: int, cfg: Config, what: str) -> None:
     t = cfg.trainer
-    need = t.micro_batch * t.grad_accum
+    need = derived.rank_batch_samples(t)
     if windows < need:
         raise UserError(
             f"{what}: holds {windows} window(s) of seq_len+1 = {t.seq_len + 1} tokens, fewer than one batch "
@@ -98,7 +90,7 @@ def build_data(
     """Build and check every data input of a run (all UserErrors happen here, before anything is written)."""
     source = cfg.data.source
     if source == DataSource.mixture:
-        data = build_mixture(cfg, vocab_size, global_batch_samples(cfg.trainer, world_size))
+        data = build_mixture(cfg, vocab_size, derived.global_batch_samples(cfg.trainer, world_size))
     elif source == DataSource.random:
         data = _build_random(cfg, vocab_size)
     elif source == DataSource.tokens:
@@ -341,16 +333,15 @@ def _build_fineweb(cfg: Config, vocab_size: int) -> DataPipeline:
     else:
         source = HubSource(d.hf_dataset, d.hf_subset, d.hf_revision, d.hf_split, d.text_field)
         where = f"data.hf_dataset={d.hf_dataset}"
-    eval_windows = t.eval_batches * t.micro_batch
     held_out_tokens, eval_docs = split_stream_tokens(
-        source, True, eval_windows * t.seq_len + 1, d.eval_fraction, d.split_seed
+        source, True, derived.eval_tokens(t) + 1, d.eval_fraction, d.split_seed
     )
     if held_out_tokens.size < t.seq_len + 1:
         raise UserError(
             f"{where}: the held-out documents hold {held_out_tokens.size} token(s), fewer than one window of "
             f"seq_len+1 = {t.seq_len + 1}; raise data.eval_fraction or add documents"
         )
-    train_windows = max(eval_windows, t.micro_batch * t.grad_accum)
+    train_windows = max(derived.eval_windows(t), derived.rank_batch_samples(t))
     train_head, _ = split_stream_tokens(
         source, False, train_windows * t.seq_len + 1, d.eval_fraction, d.split_seed
     )

@@ -36,7 +36,8 @@ def micro_batch_samples(
     step: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
 ) -> list[tuple[int, int]]:
     """(first global sample index, count) of each micro-batch that `rank` reads at optimizer step `step`
-    (1-based)."""
+    (1-based). It takes the numbers, not the config: trmoe/data does not read the config (the callers pass
+    trainer.micro_batch and grad_accum; the batch sizes themselves are trmoe.config.derived's)."""
     per_rank = micro_batch * grad_accum
     first = (step - 1) * per_rank * world_size + rank * per_rank
     return [(first + a * micro_batch, micro_batch) for a in range(grad_accum)]

@@ -63,7 +63,7 @@ def _main(argv: list[str]) -> int:
     _check_device(tool.device)
     from trmoe.eval import load_tasks, run_tasks
     from trmoe.eval.lm import TRMoELM
-    from trmoe.load import find_checkpoint
+    from trmoe.run.find import find_checkpoint
 
     info = find_checkpoint(tool.run, tool.step)
     out = Path(tool.out) if tool.out else RunDir(info.path.parent.parent).eval_result(info.step)

@@ -48,7 +48,7 @@ def _check_trmoe_checkpoint() -> None:
     from lm_eval._cli import HarnessCLI
 
     from trmoe.eval.lm import checkpoint_args
-    from trmoe.load import find_checkpoint
+    from trmoe.run.find import find_checkpoint
 
     args = HarnessCLI().parse_args()
     model_args = getattr(args, "model_args", None)

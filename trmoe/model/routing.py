@@ -76,7 +76,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.errors import UserError
 from trmoe.registry import Registry
 
@@ -720,16 +719,13 @@ def _check_table(name: str, table: np.ndarray, vocab: int, experts: int, top_k: 
 
 def load_token_counts(path: str) -> np.ndarray:
     """The token-frequency table (int64 [V], how often each token id occurs in the training split) written
-    by ``python -m trmoe.data.prepare``; a directory means its token_counts.npy."""
-    from pathlib import Path
-
-    file = Path(path)
-    if file.is_dir():
-        file = file / TOKEN_COUNTS_NAME
-    counts = np.load(file, allow_pickle=False)
+    by ``python -m trmoe.data.prepare``. ``path`` is the file itself: the config layer resolves a directory
+    (routing.frequencies, data.path) to the file in it (``trmoe.config.validate.frequencies_path``), so the
+    model never reads the data layer's file names."""
+    counts = np.load(path, allow_pickle=False)
     if counts.ndim != 1 or counts.dtype.kind not in "iu":
         raise ValueError(
-            f"{file}: a token-frequency table is a 1-D integer array, got {counts.dtype} {counts.shape}"
+            f"{path}: a token-frequency table is a 1-D integer array, got {counts.dtype} {counts.shape}"
         )
     return counts.astype(np.int64)
 

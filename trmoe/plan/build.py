@@ -2,7 +2,7 @@
 
     world            hydra.launcher nodes x tasks_per_node for a submitit preset (hardware=slurm_*), else
                      --world (torchrun), else 1
-    tokens_per_step  micro_batch x seq_len x world x grad_accum (trmoe.data.build.global_batch_tokens,
+    tokens_per_step  micro_batch x seq_len x world x grad_accum (trmoe.config.derived.global_batch_tokens,
                      the function the train loop uses)
     steps            ceil(target tokens / tokens_per_step), or trainer.steps without a target
     FLOPs            trmoe.model.flops (forward + backward, per token) x tokens
@@ -158,8 +158,8 @@ def make_plan(
     # the figures need the model (torch): loaded once the config is known to be valid
     import torch
 
+    from trmoe.config.derived import global_batch_tokens
     from trmoe.config.spec import model_spec
-    from trmoe.data.build import global_batch_tokens
     from trmoe.model.flops import flops_breakdown
     from trmoe.model.transformer import TRMoETransformer, count_parameters
     from trmoe.plan.memory import estimate_memory

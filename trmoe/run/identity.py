@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config.derived import eval_windows, global_batch_tokens
 from trmoe.config.plugins import selected_plugins
 from trmoe.config.schema import AttentionKind, Config
-from trmoe.data.build import global_batch_tokens
 
 ABSENT = "<absent>"
 
@@ -121,7 +121,7 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
         "world_size": world_size,
         # the held-out set: its first eval_batches x micro_batch windows (docs/data.md). Volatile, but an
         # evaluation on another number of windows is another set: the report compares only equal ones
-        "eval_windows": t.eval_batches * t.micro_batch,
+        "eval_windows": eval_windows(t),
         # the selected plug-ins' distributions and versions (critical); only when there are any, so a run
         # without plug-ins records what it recorded before them
         **({"plugins": plugins} if plugins else {}),

@@ -20,6 +20,7 @@ import torch
 from trmoe.bench.common import Parser, positive_int
 from trmoe.bench.step import compose_arm
 from trmoe.cli import run
+from trmoe.config.derived import micro_batch_tokens
 from trmoe.data.build import build_data
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import build_optimizer
@@ -94,7 +95,7 @@ def measure(argv: list[str]) -> None:
                 tel.close()
     if hasattr(data, "close"):
         data.close()
-    tokens = t.micro_batch * t.seq_len
+    tokens = micro_batch_tokens(t)
     threads = torch.get_num_threads()
     print(f"model {cfg.model.name}, vocab {spec.vocab_size}, {tokens} tokens/step, {device}, {threads} thr.")
     (off_median, off_mean) = (statistics.median(times["off"]), statistics.fmean(times["off"]))

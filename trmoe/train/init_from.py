@@ -36,7 +36,6 @@ import torch
 
 from trmoe.config.schema import Config, InitState
 from trmoe.errors import UserError
-from trmoe.load import find_checkpoint
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
     TORCH_PAYLOAD,
@@ -47,6 +46,7 @@ from trmoe.run.checkpoint import (
     load_local_state,
     model_shapes,
 )
+from trmoe.run.find import find_checkpoint
 from trmoe.run.identity import ABSENT
 from trmoe.train.preflight import meta_model, stored_config
 
@@ -247,7 +247,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
-    from trmoe.data.build import global_batch_tokens
+    from trmoe.config.derived import global_batch_tokens
     from trmoe.optim.build import group_layout
 
     info, state = source.info, source.state.value

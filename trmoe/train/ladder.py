@@ -20,10 +20,10 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from trmoe.config.derived import global_batch_tokens
 from trmoe.config.ladder import Budget, LadderPlan, plan
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import Config, InitState
-from trmoe.data.build import global_batch_tokens
 from trmoe.run.checkpoint import step_name
 from trmoe.runtime import distributed
 

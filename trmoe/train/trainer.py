@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trmoe.config.derived import global_batch_samples, global_batch_tokens
 from trmoe.config.schema import Config, SpikePolicy
-from trmoe.data.build import global_batch_samples, global_batch_tokens
 from trmoe.data.pipeline import DataPipeline, micro_batch_samples
 from trmoe.errors import RunFailed
 from trmoe.model.flops import flops_per_token
