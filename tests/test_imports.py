@@ -22,6 +22,7 @@ PACKAGE = ROOT / "trmoe"
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
+    ("trmoe.registry",),  # the variant registries of the extension axes (optimizers, data sources, routing)
     ("trmoe.cli",),  # the tools' argument parser
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
@@ -196,6 +197,36 @@ def test_the_config_layer_loads_no_torch():
     config = sorted(n for n in MODULES if n.startswith("trmoe.config."))
     code = f"import importlib, sys\nfor n in {config!r}: importlib.import_module(n)\n"
     assert _fresh(code + "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "['numpy']"
+
+
+# what a variant module may import at module level: the config layer reads the variants without torch
+VARIANT_IMPORTS = {"trmoe.errors", "trmoe.registry", "trmoe.config.optimizers"}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The top-level package or module names `path` imports at module level (not inside a function)."""
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_variant_modules_import_only_the_config_layer_at_module_level():
+    """A variant module (trmoe/optim/variants/*.py) imports at module level only the standard library,
+    trmoe.errors, trmoe.registry and trmoe.config.optimizers; torch and the update rules inside its
+    functions."""
+    wrong = {}
+    for path in sorted((PACKAGE / "optim" / "variants").glob("*.py")):
+        names = _module_level_imports(path)
+        bad = sorted(
+            n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n not in VARIANT_IMPORTS
+        )
+        if bad:
+            wrong[path.name] = bad
+    assert wrong == {}
 
 
 _CLI = (

@@ -2,8 +2,9 @@
 
     python -m trmoe.tools.configdoc > docs/configuration.md
 
-The comments on the dataclass fields in trmoe/config/schema.py are the text; a test keeps the page in
-step with the code.
+The comments on the dataclass fields in trmoe/config/schema.py are the text (and, for a section built from
+a registry, on its variants' options classes: the optimizers' in trmoe/optim/variants); a test keeps the
+page in step with the code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from trmoe.cli import field_comments
 from trmoe.config import schema
+from trmoe.config.optimizers import OPTIMIZERS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -103,12 +105,19 @@ def _default(f: dataclasses.Field) -> str:
     return "null" if value is None else f"`{value}`"
 
 
+# groups whose options are a registry's names too (a variant without a YAML file of its own is an option)
+REGISTRIES = {"optimizer": OPTIMIZERS}
+
+
 def _options(group: str) -> str:
     folder = CONF_DIR / group
     if not folder.is_dir():
         return ""
-    names = sorted(p.stem for p in folder.glob("*.yaml"))
-    return "Options: " + ", ".join(f"`{group}={n}`" for n in names) + ".\n\n"
+    names = {p.stem for p in folder.glob("*.yaml")}
+    registry = REGISTRIES.get(group)
+    if registry is not None:
+        names |= {n for n in registry.names() if not registry.origin(n).plugin}
+    return "Options: " + ", ".join(f"`{group}={n}`" for n in sorted(names)) + ".\n\n"
 
 
 def render() -> str:
