@@ -32,8 +32,8 @@ PACKAGE = ROOT / "trmoe"
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
-    # the tools' argument parser; the registry of the extension axes (built-in modules, plug-ins)
-    ("trmoe.cli", "trmoe.registry"),
+    ("trmoe.registry",),  # the variant registries of the extension axes (optimizers, data sources, routing)
+    ("trmoe.cli",),  # the tools' argument parser
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (handed the token-count file by the config: no data/)
     ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec, derived
@@ -243,9 +243,9 @@ def _defined_and_imported(name: str) -> tuple[list[str], list[str]]:
 
 
 # Rules 4 and 5: a function that only its home computes -> its home (defined there alone, imported from it).
-# (The planner's optimizer memory joins this table with its move into trmoe/optim/: optimizer_state_bytes.)
 HOMES = {
     "find_checkpoint": "trmoe.run.find",
+    "optimizer_state_bytes": "trmoe.optim.build",
     **dict.fromkeys(
         (
             "micro_batch_tokens",
@@ -300,6 +300,36 @@ def test_rule_5_only_config_derived_computes_the_batch():
     data = [n for n in MODULES if _package(n) == "trmoe.data"]
     data_to_config = sorted(n for n in data for t in GRAPH[n] if _package(t) == "trmoe.config")
     assert set(data_to_config) <= {"trmoe.data.build"}, data_to_config
+
+
+# what a variant module may import at module level: the config layer reads the variants without torch
+VARIANT_IMPORTS = {"trmoe.errors", "trmoe.registry", "trmoe.config.optimizers"}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The top-level package or module names `path` imports at module level (not inside a function)."""
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_variant_modules_import_only_the_config_layer_at_module_level():
+    """A variant module (trmoe/optim/variants/*.py) imports at module level only the standard library,
+    trmoe.errors, trmoe.registry and trmoe.config.optimizers; torch and the update rules inside its
+    functions."""
+    wrong = {}
+    for path in sorted((PACKAGE / "optim" / "variants").glob("*.py")):
+        names = _module_level_imports(path)
+        bad = sorted(
+            n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n not in VARIANT_IMPORTS
+        )
+        if bad:
+            wrong[path.name] = bad
+    assert wrong == {}
 
 
 _CLI = (

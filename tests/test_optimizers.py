@@ -1,16 +1,19 @@
-"""Optimizers: the Muon and StoSignSGD update rules, parameter groups, state save/restore, and identical
-per-parameter math under DDP (2 gloo ranks == one process with the whole batch)."""
+"""Optimizers: the Muon, StoSignSGD and Lion update rules, parameter groups, state save/restore, identical
+per-parameter math under DDP (2 gloo ranks == one process with the whole batch), and the registry that
+declares them (trmoe.config.optimizers: options, validation, the planner's state bytes, the docs table)."""
 
 from __future__ import annotations
 
 import io
+import json
 import math
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import compose_config, spawn_ranks
+from helpers import cli, compose_config, metrics_rows, spawn_ranks
+from presets import FAST_CPU
 
 from trmoe.config.resolve import to_config
 from trmoe.config.spec import model_spec
@@ -537,3 +540,128 @@ def test_compat_old_runner_builds_the_old_runners_optimizer_groups_exactly():
     moved = {n for n in want[("base", 0.0)] if n.endswith("routed_gate")}
     assert default[("expert", 0.0)][0] == moved  # trmoe's default: the routed gate with the experts
     assert "embed.weight" in default[("base", 0.0)][0]  # and the tied embedding not decayed
+
+
+# --- lion (trmoe/optim/variants/lion.py): an optimizer added as one module --------------------------------
+
+
+def test_lion_one_step_is_the_documented_update():
+    """c = b1 m + (1 - b1) g;  w <- w (1 - lr wd) - lr sign(c);  m <- b2 m + (1 - b2) g (docs/optimizers.md)
+    on two steps; the state is one fp32 tensor."""
+    from trmoe.optim.variants.lion import lion_class
+
+    lr, wd, b1, b2 = 0.1, 0.5, 0.8, 0.9
+    w0 = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    p = torch.nn.Parameter(w0.clone())
+    opt = lion_class()([p], lr=lr, betas=(b1, b2), weight_decay=wd)
+    grads = [torch.tensor([0.3, -0.1, 0.0, 2.0]), torch.tensor([-1.0, 0.2, 0.0, -0.5])]
+    w, m = w0.double(), torch.zeros(4, dtype=torch.float64)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        c = b1 * m + (1 - b1) * g.double()
+        w = w * (1 - lr * wd) - lr * torch.sign(c)
+        m = b2 * m + (1 - b2) * g.double()
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-6, atol=1e-7)
+    assert opt.state[p]["exp_avg"].dtype == torch.float32  # its one state: 4 B per parameter
+
+
+def test_lion_options_reach_its_groups_and_resume_continues_exactly():
+    # optimizer.name=lion (the adamw group with another name): conf/optimizer has no lion.yaml
+    lion = ("optimizer.name=lion", "optimizer.lion_beta1=0.7", "optimizer.lion_beta2=0.95")
+    cfg, model = tiny(*lion, "optimizer.expert_lr_scale=2")
+    opt = build_optimizer(model, cfg.optimizer, CPU)
+    assert type(opt).__name__ == "Lion" and all(g["betas"] == (0.7, 0.95) for g in opt.param_groups)
+    apply_lr(opt, 0.5)
+    assert GroupLRs(model, opt).row()["lr_expert"] == pytest.approx(1e-3)
+
+    data = batches(4, rows=2, seq=8)
+    cfg, model = tiny(*lion)
+    opt = build_optimizer(model, cfg.optimizer, CPU)
+    train_steps(model, opt, data[:2])
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    train_steps(model, opt, data[2:], first_step=3)
+    cfg, fresh = tiny(*lion, seed=123)
+    fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optimizer"])
+    train_steps(fresh, fresh_opt, data[2:], first_step=3)
+    for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+
+
+def test_lion_trains_in_the_train_app(tmp_path):
+    args = [*FAST_CPU, "optimizer.name=lion", "optimizer.lr=3e-4", "trainer.steps=3", "run.name=lion"]
+    done = cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "runs" / "lion"
+    record = json.loads((run / "run_config.json").read_text())
+    assert record["config"]["optimizer"]["name"] == "lion"
+    assert record["config"]["optimizer"]["lion_beta2"] == 0.99
+    assert {g["optimizer"] for g in record["controls"]["optimizer_groups"]} == {"lion"}
+    rows = metrics_rows(run)
+    losses = [float(r["train_loss"]) for r in rows if r["train_loss"] != "nan"]
+    assert rows[-1]["step"] == "3" and losses and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["optimizer.lion_beta1=1.5"], "trmoe: config error: optimizer.lion_beta1=1.5: must be in [0, 1)"),
+        (["optimizer.lion_beta2=-0.1"], "trmoe: config error: optimizer.lion_beta2=-0.1: must be in [0, 1)"),
+    ],
+)
+def test_a_bad_lion_option_is_one_line_and_exit_2(tmp_path, args, line):
+    result = cli([*FAST_CPU, "optimizer.name=lion", "trainer.steps=1", *args], tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == line, result.stderr
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_an_unknown_optimizer_key_names_the_allowed_keys(tmp_path):
+    result = cli([*FAST_CPU, "optimizer.name=lion", "optimizer.lion_beta3=0.5"], tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "optimizer.lion_beta3" in lines[0] and "lion_beta1, lion_beta2" in lines[0], lines[0]
+
+
+def test_the_planner_counts_lions_state(tmp_path):
+    done = cli(["model=tiny", "optimizer.name=lion", "--json"], tmp_path, module="trmoe.plan")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    state = next(i for i in plan["memory"]["items"] if i["what"] == "optimizer state")
+    total = plan["model"]["params"]["total"]
+    assert state["bytes"] == 4 * total and state["note"] == f"lion: 1 fp32 state (exp_avg) x {total:,}"
+
+
+def test_the_registry_declares_every_optimizer():
+    """One registry: the schema's names and keys, and docs/optimizers.md's table, come from it."""
+    from pathlib import Path
+
+    from trmoe.config.optimizers import OPTIMIZERS, optimizer_table
+    from trmoe.config.schema import OptimizerConfig, OptimizerName
+
+    assert OPTIMIZERS.names()[:4] == ("adamw", "muon_tr", "stosignsgd", "lion")
+    assert [n.value for n in OptimizerName][:4] == list(OPTIMIZERS.names()[:4])
+    keys = list(OptimizerConfig.__dataclass_fields__)
+    # the keys run_config.json always had, in their order, then Lion's
+    assert keys[keys.index("wsd_decay_shape") + 1 :] == [
+        "muon_scope",
+        "muon_lr_scale",
+        "muon_momentum",
+        "muon_nesterov",
+        "muon_ns_steps",
+        "muon_update_rms",
+        "muon_split_gate_up",
+        "stosign_max_decay",
+        "lion_beta1",
+        "lion_beta2",
+    ]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
+    assert optimizer_table() in doc, "docs/optimizers.md's table differs from optimizer_table()"
+    for name in OPTIMIZERS:
+        assert f"## {name}" in doc

@@ -74,10 +74,16 @@ def field_comments(cls: type) -> dict[str, str]:
     """{field: the comment after it in the dataclass's source}: a schema's keys are documented there once,
     for docs/configuration.md and for the tools' --help."""
     comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
-        if match:
-            comments[match.group(1)] = match.group(2) or ""
+    # a section built from several classes (trmoe.registry.with_options) names them in __field_sources__
+    for source in getattr(cls, "__field_sources__", (cls,)):
+        try:
+            lines = inspect.getsource(source).splitlines()
+        except (OSError, TypeError):  # no source to read (a class made at run time): no comments
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
+            if match:
+                comments[match.group(1)] = match.group(2) or ""
     return comments
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -210,6 +211,7 @@ def with_options(name: str, base: type, registry: Registry[Any], options_of: Cal
     before the registries compose as they did. A plug-in option whose name is already a key is excluded
     (one line when selected); two built-ins clashing is trmoe's bug and raises."""
     fields: list[tuple[str, Any, Any]] = []
+    sources: list[type] = [base]
     taken = {f.name for f in dataclasses.fields(base)}
     for variant_name, variant in registry.items():
         options = options_of(variant)
@@ -222,14 +224,21 @@ def with_options(name: str, base: type, registry: Registry[Any], options_of: Cal
                 variant_name, f"its option {registry.axis}.{clash[0]} is already a key; rename it"
             )
             continue
+        # the resolved types: a variant module's annotations are strings (`from __future__ import
+        # annotations`) that would not resolve in the section's module
+        hints = typing.get_type_hints(options)
         for f in own:
             default = (
                 dataclasses.field(default=f.default)
                 if f.default is not dataclasses.MISSING
                 else dataclasses.field(default_factory=f.default_factory)
             )
-            fields.append((f.name, f.type, default))
+            fields.append((f.name, hints[f.name], default))
             taken.add(f.name)
+        sources.append(options)
     cls = dataclasses.make_dataclass(name, fields, bases=(base,))
     cls.__module__ = base.__module__
+    cls.__doc__ = base.__doc__
+    # the classes whose source declares the fields, in order (trmoe.cli.field_comments reads their comments)
+    cls.__field_sources__ = tuple(sources)
     return cls

@@ -19,10 +19,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.data.tokenizer import O200K_VOCAB
 from trmoe.errors import UserError
 from trmoe.model.routing import ALL_STRATEGIES, STRATEGY_REGISTRY
-from trmoe.registry import Registry
+from trmoe.registry import Registry, with_options
 
 
 class AttentionKind(str, Enum):
@@ -99,16 +100,12 @@ class LossBackend(str, Enum):
     auto = "auto"  # liger on CUDA when it is importable, chunked otherwise
 
 
-class OptimizerName(str, Enum):
-    adamw = "adamw"  # AdamW on every group
-    muon_tr = "muon_tr"  # Muon on the matrices of optimizer.muon_scope, AdamW on the rest
-    stosignsgd = "stosignsgd"  # stochastic-sign SGD with momentum on every group (docs/optimizers.md)
-
-
-class MuonScope(str, Enum):
-    experts = "experts"  # the routed expert matrices only
-    experts_shared = "experts_shared"  # routed experts and the shared expert
-    all = "all"  # every matrix except the tied embedding
+# optimizer.name's values are the optimizer registry's names (trmoe/config/optimizers.py OPTIMIZERS: the
+# modules of trmoe/optim/variants and the plug-ins; docs/optimizers.md tabulates them). A broken plug-in's
+# name is a value too: selecting it reaches validation, which says in one line what is wrong with it.
+OptimizerName = Enum(
+    "OptimizerName", {name: name for name in (*OPTIMIZERS.names(), *OPTIMIZERS.broken)}, type=str
+)
 
 
 class GateGroup(str, Enum):
@@ -293,11 +290,13 @@ class RoutingConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """Optimizer (adamw, muon_tr, stosignsgd) over three parameter groups: routed experts, shared expert,
-    everything else; and the LR schedule. Update rules: docs/optimizers.md."""
+class OptimizerCommon:
+    """Optimizer (optimizer.name: adamw, muon_tr, stosignsgd, lion, or a plug-in's) over three parameter
+    groups: routed experts, shared expert, everything else; and the LR schedule. Update rules:
+    docs/optimizers.md. The keys below `wsd_decay_shape` are the optimizers' own (`muon_*`: muon_tr's, ...),
+    declared in their modules (trmoe/optim/variants/)."""
 
-    name: OptimizerName = OptimizerName.adamw  # adamw | muon_tr | stosignsgd
+    name: OptimizerName = OptimizerName.adamw  # which optimizer (docs/optimizers.md has the table)
     lr: float = 1e-3  # peak learning rate of the base group
     beta1: float = 0.9  # AdamW first-moment decay; StoSignSGD's momentum
     beta2: float = 0.95  # AdamW second-moment decay
@@ -315,14 +314,11 @@ class OptimizerConfig:
     decay_steps: int | None = None  # schedule horizon (cosine/wsd reach the floor, ramps scale); None = steps
     wsd_decay_fraction: float = 0.2  # wsd: share of the horizon spent decaying (its last steps)
     wsd_decay_shape: DecayShape = DecayShape.linear  # wsd: linear | cosine | sqrt decay to the floor
-    muon_scope: MuonScope = MuonScope.experts  # muon_tr: matrices on Muon: experts | experts_shared | all
-    muon_lr_scale: float = 1.0  # muon_tr: lr multiplier of the Muon groups (times expert/shared lr scales)
-    muon_momentum: float = 0.95  # muon_tr: momentum beta of the Muon buffer
-    muon_nesterov: bool = True  # muon_tr: orthogonalise the Nesterov look-ahead instead of the buffer
-    muon_ns_steps: int = 5  # muon_tr: Newton-Schulz iterations per orthogonalisation
-    muon_update_rms: float = 0.2  # muon_tr: RMS each orthogonalised update is scaled to (~AdamW's)
-    muon_split_gate_up: bool = True  # muon_tr: orthogonalise the gate and up halves of fused w_in separately
-    stosign_max_decay: float = 1.0  # stosignsgd: d in G <- max(d * G, |m|); 1 = a running maximum
+
+
+# the optimizer section: the common keys, then every optimizer's own options, flat (`optimizer.muon_lr_scale`
+# as always: configs and run_config.json files written before the registry compose and resume unchanged)
+OptimizerConfig = with_options("OptimizerConfig", OptimizerCommon, OPTIMIZERS, lambda v: v.options)
 
 
 @dataclass
@@ -584,6 +580,7 @@ def _stamp(pattern: str) -> str:
 # The groups whose options are a registry's variants: the key that names the variant, and the registry.
 VARIANT_GROUPS: dict[str, tuple[str, Registry]] = {
     "routing": ("strategy", STRATEGY_REGISTRY),
+    "optimizer": ("name", OPTIMIZERS),
 }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from trmoe.cli import usable_cores
+from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.config.schema import (
     AttentionKind,
     Config,
@@ -24,8 +25,6 @@ from trmoe.config.schema import (
     InitState,
     LossBackend,
     ModelInit,
-    MuonScope,
-    OptimizerName,
     RoutingStrategy,
     SampleOrder,
     SpikePolicy,
@@ -612,19 +611,9 @@ def _validate_training_controls(cfg: Config) -> None:
     if o.decay_steps is not None and o.decay_steps < 1:
         _fail("optimizer.decay_steps", o.decay_steps, "must be a positive integer, or null for trainer.steps")
     _fraction(o.wsd_decay_fraction, "optimizer.wsd_decay_fraction")
-    if not 0.0 <= o.muon_momentum < 1.0:
-        _fail("optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1)")
-    _positive(o, "optimizer", "muon_ns_steps")
-    if o.muon_update_rms <= 0:
-        _fail("optimizer.muon_update_rms", o.muon_update_rms, "must be > 0")
-    if o.muon_lr_scale < 0:
-        _fail("optimizer.muon_lr_scale", o.muon_lr_scale, "must be >= 0")
-    if not 0.0 < o.stosign_max_decay <= 1.0:
-        _fail("optimizer.stosign_max_decay", o.stosign_max_decay, "must be in (0, 1]")
-    if o.name == OptimizerName.muon_tr and o.muon_scope == MuonScope.experts and m.routed_width == 0:
-        _fail(
-            "optimizer.muon_scope", "experts", "the model has no routed experts; allowed: experts_shared, all"
-        )
+    # the selected optimizer's own rules (its module in trmoe/optim/variants, or a plug-in's); a broken
+    # plug-in's name stops here with its one line
+    OPTIMIZERS.get(o.name).validate(cfg)
 
     if r.primary_weight_final is not None:
         if r.top_k == 1:

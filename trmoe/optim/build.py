@@ -1,4 +1,5 @@
-"""The optimizers (optimizer.name): adamw, muon_tr, stosignsgd. Update rules: docs/optimizers.md.
+"""Building the optimizer of optimizer.name: its parameter groups here, the rest from its variant (one module
+of trmoe/optim/variants, or a plug-in: trmoe.config.optimizers). Update rules: docs/optimizers.md.
 
 Parameters fall in three roles: routed experts (w_in, w_out and the routed gate), shared expert (its
 matrices and gate) and base (embedding, attention, norms; and the routed gate with
@@ -10,9 +11,10 @@ Every group carries `name` and `base_lr`; the one global schedule sets lr = base
 of them (trmoe.optim.schedule.apply_lr).
 
 model.parametrization=mup (trmoe.model.mup): a hidden matrix whose fan-in grew m-fold over the base shape
-gets lr / m and weight_decay * m (lr * wd unchanged), in its own group named `<role>..._mup<m>`. All three
-optimizers take the same factors: AdamW's and StoSignSGD's updates are ~lr per entry whatever the gradient's
-scale, and Muon's update is rescaled to the element RMS muon_update_rms, AdamW's (docs/mup.md).
+gets lr / m and weight_decay * m (lr * wd unchanged), in its own group named `<role>..._mup<m>`. Every
+built-in optimizer takes the same factors: AdamW's, StoSignSGD's and Lion's updates are ~lr per entry
+whatever the gradient's scale, and Muon's update is rescaled to the element RMS muon_update_rms, AdamW's
+(docs/mup.md).
 
 No optimizer here keeps a warmup or decay of its own, and none
 communicates across ranks: under DDP every rank sees the same averaged gradients and applies the same
@@ -26,10 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trmoe.config.schema import GateGroup, MuonScope, OptimizerConfig, OptimizerName
+from trmoe.config.optimizers import OPTIMIZERS
+from trmoe.config.schema import Config, GateGroup, OptimizerConfig
 from trmoe.model.mup import fan_in_mult
-from trmoe.optim.muon import Muon
-from trmoe.optim.stosignsgd import StoSignSGD
 
 
 def param_group_name(name: str, routed_gate_group: GateGroup = GateGroup.expert) -> str:
@@ -53,18 +54,20 @@ def _role_settings(cfg: OptimizerConfig) -> tuple[dict[str, float], dict[str, fl
     return scales, decays
 
 
-def _on_muon(name: str, p: nn.Parameter, role: str, scope: MuonScope) -> bool:
+def _on_muon(name: str, p: nn.Parameter, role: str, scope: str) -> bool:
+    # scope: optimizer.muon_scope (trmoe.optim.variants.muon_tr.MuonScope, a str enum; that module builds
+    # its OptimizerSet from here, so this one compares the values)
     if p.ndim < 2 or name == "embed.weight":
         return False
-    if scope == MuonScope.all:
+    if scope == "all":
         return True
     if role == "expert":
         return True
-    return role == "shared" and scope == MuonScope.experts_shared
+    return role == "shared" and scope == "experts_shared"
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """The element-wise groups of every trainable parameter (adamw, stosignsgd)."""
+    """The element-wise groups of every trainable parameter (adamw, stosignsgd, lion)."""
     return split_param_groups(model, cfg, muon=False)[0]
 
 
@@ -159,57 +162,42 @@ class OptimizerSet:
             opt.load_state_dict(parts[name])
 
 
-def _adamw(groups: list[dict], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    # torch's fused kernel on CUDA and CPU (one pass over each tensor: ~4.7x faster than foreach on a
-    # 100M-parameter CPU step, bench/); the foreach path elsewhere. Both are mathematically plain AdamW.
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=fused,
-        foreach=None if fused else True,
-    )
-
-
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, *, seed: int = 0):
     """The optimizer of optimizer.name over `model`. `seed` salts StoSignSGD's sign noise."""
-    if cfg.name == OptimizerName.muon_tr:
-        groups, muon_groups = split_param_groups(model, cfg, muon=True)
-        muon = Muon(
-            muon_groups,
-            lr=cfg.lr,
-            momentum=cfg.muon_momentum,
-            nesterov=cfg.muon_nesterov,
-            ns_steps=cfg.muon_ns_steps,
-            update_rms=cfg.muon_update_rms,
-        )
-        return OptimizerSet(muon=muon, adamw=_adamw(groups, cfg, device))
-    groups = param_groups(model, cfg)
-    if cfg.name == OptimizerName.stosignsgd:
-        return StoSignSGD(groups, lr=cfg.lr, beta=cfg.beta1, max_decay=cfg.stosign_max_decay, seed=seed)
-    return _adamw(groups, cfg, device)
+    variant = OPTIMIZERS.get(cfg.name)
+    groups, matrix_groups = split_param_groups(model, cfg, muon=variant.matrix_groups)
+    return variant.build(groups, matrix_groups, cfg, device, seed)
 
 
 def group_layout(model: nn.Module, cfg: OptimizerConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(optimizer:group, its parameters' names) of every group `build_optimizer` would make, in order: what
     a saved optimizer state must match to load into it."""
     names = {id(p): n for n, p in model.named_parameters()}
-    groups, muon_groups = split_param_groups(model, cfg, muon=cfg.name == OptimizerName.muon_tr)
+    groups, muon_groups = split_param_groups(model, cfg, muon=OPTIMIZERS.get(cfg.name).matrix_groups)
     return [
         (f"{cfg.name.value}:{g['name']}", tuple(names[id(p)] for p in g["params"]))
         for g in (*muon_groups, *groups)
     ]
 
 
+def optimizer_state_bytes(model: nn.Module, cfg: Config) -> tuple[int, str]:
+    """(bytes of optimizer state for all of `model`'s trainable parameters, what it is): the planner's line
+    (trmoe.plan.memory), from the selected variant's `state_bytes` over its element-wise and matrix groups."""
+    variant = OPTIMIZERS.get(cfg.optimizer.name)
+    groups, matrix_groups = split_param_groups(model, cfg.optimizer, muon=variant.matrix_groups)
+    elementwise = sum(p.numel() for g in groups for p in g["params"])
+    matrices = sum(p.numel() for g in matrix_groups for p in g["params"])
+    return variant.state_bytes(elementwise, matrices)
+
+
 def optimizer_kind(optimizer, group: dict) -> str:
-    """Which update rule a group gets: adamw, muon or stosignsgd."""
+    """Which update rule a group gets: its part's name in an OptimizerSet (muon, adamw), else the
+    optimizer's class name in lower case (adamw, stosignsgd, lion)."""
     if isinstance(optimizer, OptimizerSet):
         for name, opt in optimizer.optimizers.items():
             if any(g is group for g in opt.param_groups):
                 return name
-    return "stosignsgd" if isinstance(optimizer, StoSignSGD) else "adamw"
+    return type(optimizer).__name__.lower()
 
 
 def describe_groups(optimizer) -> list[dict]:

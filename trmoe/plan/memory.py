@@ -19,8 +19,9 @@ Model state (P = trainable parameters; master weights are always fp32, trmoe.run
                backward the root's gradient and one block's gradient (plus its fp32 copy for the
                reduce-scatter).
 
-Optimizer state (trmoe.optim.build): adamw 8 B per parameter (exp_avg, exp_avg_sq, fp32); stosignsgd 8 B
-(exp_avg, max_scale); muon_tr 4 B per Muon matrix parameter (momentum buffer) and 8 B on the AdamW rest.
+Optimizer state (trmoe.optim.build.optimizer_state_bytes): what the selected optimizer's variant declares
+(trmoe/optim/variants: adamw 8 B per parameter, exp_avg and exp_avg_sq in fp32; stosignsgd 8 B, exp_avg and
+max_scale; muon_tr 4 B per Muon matrix parameter, its momentum, and 8 B on the AdamW rest; lion 4 B, exp_avg).
 
 Activations: per micro-batch (micro_batch x seq_len tokens; grad_accum does not add any), the tensors the
 autograd graph saves, counted from the model code (`layer_activation_bytes`; checked against the real saved
@@ -37,10 +38,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from trmoe.config.schema import Config, OptimizerName
+from trmoe.config.derived import micro_batch_tokens
+from trmoe.config.schema import Config
 from trmoe.model.routing import groups_by_tuple
 from trmoe.model.transformer import ModelSpec, ParamCounts
-from trmoe.optim.build import split_param_groups
+from trmoe.optim.build import optimizer_state_bytes
 
 FP32 = 4
 
@@ -95,7 +97,7 @@ def final_activation_bytes(spec: ModelSpec) -> int:
 def activation_bytes(spec: ModelSpec, cfg: Config, compute_bytes: int) -> int:
     """Activations of one micro-batch (micro_batch x seq_len tokens) at the start of the backward."""
     t = cfg.trainer
-    tokens = t.micro_batch * t.seq_len
+    tokens = micro_batch_tokens(t)
     chunk = t.shared_chunk_tokens
     chunked = bool(spec.shared_width) and 0 < chunk < tokens
     layers = [layer_activation_bytes(spec, compute_bytes, chunked, layer) for layer in range(spec.num_layers)]
@@ -107,20 +109,6 @@ def activation_bytes(spec: ModelSpec, cfg: Config, compute_bytes: int) -> int:
     if chunked:  # one shared-expert chunk recomputed in the backward
         total += chunk * (compute_bytes * spec.hidden_size + 4 * compute_bytes * spec.shared_width)
     return total
-
-
-def optimizer_state_bytes(model: nn.Module, cfg: Config) -> tuple[int, str]:
-    """(bytes of optimizer state for all of `model`'s trainable parameters, what it is)."""
-    o = cfg.optimizer
-    if o.name == OptimizerName.muon_tr:
-        groups, muon_groups = split_param_groups(model, o, muon=True)
-        on_muon = sum(p.numel() for g in muon_groups for p in g["params"])
-        on_adamw = sum(p.numel() for g in groups for p in g["params"])
-        text = f"Muon momentum 4 B x {on_muon:,} + AdamW 8 B x {on_adamw:,}"
-        return 4 * on_muon + 8 * on_adamw, text
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    states = "exp_avg, max_scale" if o.name == OptimizerName.stosignsgd else "exp_avg, exp_avg_sq"
-    return 8 * total, f"{o.name.value}: 2 fp32 states ({states}) x {total:,}"
 
 
 @dataclass
@@ -158,7 +146,7 @@ def estimate_memory(
     amp = compute_bytes < FP32
     opt, opt_text = optimizer_state_bytes(model, cfg)
     t = cfg.trainer
-    tokens = t.micro_batch * t.seq_len
+    tokens = micro_batch_tokens(t)
     acts = activation_bytes(spec, cfg, compute_bytes)
     acts_text = f"{t.micro_batch} x {t.seq_len} tokens per micro-batch" + (
         ", activation checkpointing" if t.activation_checkpointing else ""

@@ -2,8 +2,9 @@
 
     python -m trmoe.tools.configdoc > docs/configuration.md
 
-The comments on the dataclass fields in trmoe/config/schema.py are the text; a test keeps the page in
-step with the code.
+The comments on the dataclass fields in trmoe/config/schema.py are the text (and, for a section built from
+a registry, on its variants' options classes: the optimizers' in trmoe/optim/variants); a test keeps the
+page in step with the code.
 """
 
 from __future__ import annotations

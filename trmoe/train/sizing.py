@@ -9,7 +9,7 @@ import torch
 from trmoe.config.schema import Config
 from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec, TRMoETransformer
-from trmoe.plan.memory import optimizer_state_bytes
+from trmoe.optim.build import optimizer_state_bytes
 
 GIB = 1 << 30
 
