@@ -22,6 +22,7 @@ PACKAGE = ROOT / "trmoe"
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
+    ("trmoe.registry",),  # the variant registries' one mechanism (built-in modules, plug-ins)
     ("trmoe.cli",),  # the tools' argument parser
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (which reads the token-count file of a frequency strategy)
@@ -230,3 +231,34 @@ def test_a_bad_key_is_answered_before_torch_loads(tmp_path, module, args, key):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# what a data source module (trmoe/data/sources/*) and the variant declaration may import at module level: the
+# config layer reads them, so they load neither torch nor numpy nor the config (a builder imports the rest
+# inside its function; the Config type only under TYPE_CHECKING)
+SOURCE_MODULE_IMPORTS = ("trmoe.errors", "trmoe.registry", "trmoe.data.variant")
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            found.add(node.module or "")
+    return found
+
+
+def test_data_source_modules_import_only_the_standard_library_at_module_level():
+    paths = sorted((PACKAGE / "data" / "sources").glob("*.py")) + [PACKAGE / "data" / "variant.py"]
+    wrong = []
+    for path in paths:
+        for name in sorted(_module_level_imports(path)):
+            top = name.split(".")[0]
+            if top == "trmoe" and name not in SOURCE_MODULE_IMPORTS or (
+                top != "trmoe" and top not in sys.stdlib_module_names
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not wrong, "\n".join(wrong)
+    code = "import sys\nfrom trmoe.data.variant import SOURCES\nSOURCES.names()\n"
+    assert _fresh(code + "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "[]"

@@ -111,6 +111,15 @@ def _options(group: str) -> str:
     return "Options: " + ", ".join(f"`{group}={n}`" for n in names) + ".\n\n"
 
 
+def _comments(cls: type) -> dict[str, str]:
+    """The field comments of a schema class; of a section a registry assembles (`trmoe.registry.with_options`:
+    the common keys, then each variant's options), those of each of its parts (`__parts__`)."""
+    comments: dict[str, str] = {}
+    for part in getattr(cls, "__parts__", (cls,)):
+        comments.update({k: v for k, v in field_comments(part).items() if k not in comments})
+    return comments
+
+
 def render() -> str:
     out = [
         "# Configuration reference",
@@ -126,7 +135,7 @@ def render() -> str:
             out += [f"## `{name}`", "", title, "", _options(name).rstrip("\n"), ""]
             continue
         hints = typing.get_type_hints(cls)
-        comments = field_comments(cls)
+        comments = _comments(cls)
         out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]
         out.append("|---|---|---|---|")
         for f in dataclasses.fields(cls):
