@@ -255,8 +255,10 @@ def test_data_source_modules_import_only_the_standard_library_at_module_level():
     for path in paths:
         for name in sorted(_module_level_imports(path)):
             top = name.split(".")[0]
-            if top == "trmoe" and name not in SOURCE_MODULE_IMPORTS or (
-                top != "trmoe" and top not in sys.stdlib_module_names
+            if (
+                top == "trmoe"
+                and name not in SOURCE_MODULE_IMPORTS
+                or (top != "trmoe" and top not in sys.stdlib_module_names)
             ):
                 wrong.append(f"{path.relative_to(ROOT)}: {name}")
     assert not wrong, "\n".join(wrong)

@@ -85,3 +85,15 @@ def all_mixture_keys() -> tuple[str, ...]:
     """Every data.sources.<name>.<key> a source reads, in registry order."""
     keys = (k for _, v in SOURCES.items() if v.mixture_keys for k in v.mixture_keys)
     return tuple(dict.fromkeys(keys))
+
+
+def source_table() -> str:
+    """docs/data.md's table of the single sources, from their declarations (a test keeps it in step)."""
+    rows = [
+        "| option | what | train / held-out split | sample g of the training order |",
+        "|---|---|---|---|",
+    ]
+    for name, v in SOURCES.items():
+        if not v.composite and not SOURCES.origin(name).plugin:
+            rows.append(f"| `{name}` | {v.doc} | {v.split} | {v.sample} |")
+    return "\n".join(rows)
