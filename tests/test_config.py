@@ -18,6 +18,7 @@ from presets import FAST_CPU
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import GROUPS, Config, group_options
 from trmoe.config.spec import model_spec
+from trmoe.data.variant import SOURCES
 from trmoe.errors import UserError
 
 GROUP_OPTIONS = sorted((group, option) for group in GROUPS for option in group_options(group))
@@ -57,14 +58,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
             np.random.default_rng(0).standard_normal((200_019, 4), dtype=np.float32),
         )
         overrides.append(f"routing.embedding={tmp_path / 'embedding.npy'}")
-    if (group, option) == ("data", "text"):
-        overrides.append("data.text_path=/some/corpus.txt")
-    if (group, option) in (("data", "tokens"), ("data", "fineweb")):
-        overrides.append("data.path=/some/dataset")
-    if (group, option) == ("data", "mixture"):
-        overrides.append(
-            "+data.sources={a: {source: embedded, weight: 1}, b: {source: text, text_path: t, weight: 2}}"
-        )
+    if group == "data" and option in SOURCES:  # a source's own example of a complete selection
+        overrides += SOURCES.get(option).example
     cfg = to_config(compose_config(*overrides))
     spec = model_spec(cfg)
     assert spec.num_heads % spec.num_kv_heads == 0

@@ -32,7 +32,7 @@ PACKAGE = ROOT / "trmoe"
 # (trmoe/load.py) is a package of its own here; a subpackage (trmoe/train/observe) is part of its package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe", "trmoe.errors", "trmoe.durable"),  # the version; the user errors; durable writes
-    ("trmoe.registry",),  # the variant registries of the extension axes (optimizers, data sources, routing)
+    ("trmoe.registry",),  # the variant registries' one mechanism (built-in modules, plug-ins)
     ("trmoe.cli",),  # the tools' argument parser
     ("trmoe.data",),  # tokenizer, token files, corpora, samplers, the data component, the mixture's blend
     ("trmoe.model",),  # the model and its routing (handed the token-count file by the config: no data/)
@@ -48,8 +48,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # The one upward arrow: the data sources' builders read the run's Config (data.*, trainer.*) and live with
 # the sources they build; the config layer reads the tokenizer's vocabulary and the token-count file name
-# from data/, so the builders cannot sit below it. Only trmoe.data.build may take it.
-UPWARD = {("trmoe.data.build", "trmoe.config")}
+# from data/, so the builders cannot sit below it. Only the builders take it: trmoe.data.build and the source
+# modules of trmoe.data.sources (an entry names a module or a package of modules), inside their functions.
+UPWARD = {("trmoe.data.build", "trmoe.config"), ("trmoe.data.sources", "trmoe.config")}
+
+
+def _upward(module: str, target_package: str) -> bool:
+    return any((module == m or module.startswith(m + ".")) and target_package == p for m, p in UPWARD)
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -164,7 +169,7 @@ def test_packages_import_only_downwards():
     for (a, b), why in sorted(_arrows().items()):
         if layer[b] < layer[a]:
             continue
-        allowed = [w for w in why if (w.split(" -> ")[0], b) in UPWARD]
+        allowed = [w for w in why if _upward(w.split(" -> ")[0], b)]
         if allowed != why:
             wrong.append(f"{a} -> {b}: {'; '.join(w for w in why if w not in allowed)}")
     assert not wrong, "\n".join(wrong)
@@ -288,7 +293,8 @@ def test_rule_5_only_config_derived_computes_the_batch():
     """Rule 5: the batch arithmetic (samples and tokens per step, per micro-batch, per evaluation) is
     trmoe/config/derived.py's: the functions above live there alone, the modules that need a batch size
     import them from there, and data/ (below the config) never imports trmoe.config but through
-    data/build.py, the one upward arrow: the rest of data/ takes the numbers as arguments
+    the builders (data/build.py, data/sources/), the one upward arrow: the rest of data/ takes the numbers
+    as arguments
     (pipeline.micro_batch_samples, sampler.eval_batches)."""
     users = {
         n
@@ -299,7 +305,7 @@ def test_rule_5_only_config_derived_computes_the_batch():
     assert {"trmoe.data.build", "trmoe.run.identity", "trmoe.train.trainer", "trmoe.plan.build"} <= users
     data = [n for n in MODULES if _package(n) == "trmoe.data"]
     data_to_config = sorted(n for n in data for t in GRAPH[n] if _package(t) == "trmoe.config")
-    assert set(data_to_config) <= {"trmoe.data.build"}, data_to_config
+    assert all(_upward(n, "trmoe.config") for n in data_to_config), data_to_config
 
 
 # what a variant module may import at module level: the config layer reads the variants without torch
@@ -364,3 +370,36 @@ def test_a_bad_key_is_answered_before_torch_loads(tmp_path, module, args, key):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# what a data source module (trmoe/data/sources/*) and the variant declaration may import at module level: the
+# config layer reads them, so they load neither torch nor numpy nor the config (a builder imports the rest
+# inside its function; the Config type only under TYPE_CHECKING)
+SOURCE_MODULE_IMPORTS = ("trmoe.errors", "trmoe.registry", "trmoe.data.variant")
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            found.add(node.module or "")
+    return found
+
+
+def test_data_source_modules_import_only_the_standard_library_at_module_level():
+    paths = sorted((PACKAGE / "data" / "sources").glob("*.py")) + [PACKAGE / "data" / "variant.py"]
+    wrong = []
+    for path in paths:
+        for name in sorted(_module_level_imports(path)):
+            top = name.split(".")[0]
+            if (
+                top == "trmoe"
+                and name not in SOURCE_MODULE_IMPORTS
+                or (top != "trmoe" and top not in sys.stdlib_module_names)
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not wrong, "\n".join(wrong)
+    code = "import sys\nfrom trmoe.data.variant import SOURCES\nSOURCES.names()\n"
+    assert _fresh(code + "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))") == "[]"

@@ -74,8 +74,9 @@ def field_comments(cls: type) -> dict[str, str]:
     """{field: the comment after it in the dataclass's source}: a schema's keys are documented there once,
     for docs/configuration.md and for the tools' --help."""
     comments = {}
-    # a section built from several classes (trmoe.registry.with_options) names them in __field_sources__
-    for source in getattr(cls, "__field_sources__", (cls,)):
+    # a section a registry assembles (trmoe.registry.with_options: the common keys, then each variant's
+    # options) names the classes that declare its fields in __parts__; the first declaration's comment wins
+    for source in getattr(cls, "__parts__", (cls,)):
         try:
             lines = inspect.getsource(source).splitlines()
         except (OSError, TypeError):  # no source to read (a class made at run time): no comments
@@ -83,7 +84,7 @@ def field_comments(cls: type) -> dict[str, str]:
         for line in lines:
             match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
             if match:
-                comments[match.group(1)] = match.group(2) or ""
+                comments.setdefault(match.group(1), match.group(2) or "")
     return comments
 
 

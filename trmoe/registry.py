@@ -53,8 +53,7 @@ class Origin:
 
 
 class Registry(Generic[V]):
-    """The variants of one axis by name: built-ins first (`extra`'s in their order, then the package's modules
-    by `order` and name), then plug-ins by name.
+    """The variants of one axis by name: built-ins first (in `order`, then by name), then plug-ins by name.
 
     `check(variant)` raises TypeError/ValueError with a short reason when an object is not a valid variant of
     the axis (a plug-in's declaration goes through it; a built-in failing it is a bug and raises)."""
@@ -72,7 +71,7 @@ class Registry(Generic[V]):
         self.group = group  # the entry-point group plug-ins declare
         self._package = package
         self._check = check
-        self._extra = extra  # built-ins that are not modules of `package`, in their order (route tables)
+        self._extra = extra  # built-ins that are not modules of `package` (the route-table constructions)
         self._variants: dict[str, V] | None = None
         self._origins: dict[str, Origin] = {}
         self._broken: dict[str, str] = {}
@@ -130,10 +129,10 @@ class Registry(Generic[V]):
 
     def _load(self) -> dict[str, V]:
         if self._variants is None:
-            variants = dict(self._extra()) if self._extra else {}  # in the order given
+            builtins = dict(self._extra()) if self._extra else {}
             if self._package is not None:
-                modules = _builtin_modules(self._package, self._check)
-                variants.update(sorted(modules.items(), key=lambda kv: (getattr(kv[1], "order", 100), kv[0])))
+                builtins.update(_builtin_modules(self._package, self._check))
+            variants = dict(sorted(builtins.items(), key=lambda kv: (getattr(kv[1], "order", 100), kv[0])))
             for ep in _entry_points(self.group):
                 self._add_plugin(variants, ep)
             self._variants = variants
@@ -204,41 +203,65 @@ def check_options(options: Any) -> None:
             raise ValueError(f"option {f.name!r} has no default")
 
 
-def with_options(name: str, base: type, registry: Registry[Any], options_of: Callable[[Any], Any]) -> type:
+def with_options(
+    name: str,
+    base: type,
+    registry: Registry[Any],
+    options_of: Callable[[Any], Any],
+    order: tuple[str, ...] = (),
+    namespace: dict[str, Any] | None = None,
+) -> type:
     """The config section of an axis: `base`'s fields (the keys every variant shares), then each variant's
     options (`options_of(variant)`, a dataclass or None) in registry order, flat: `<axis>.<option>`. Options
     keep the names they always had (`optimizer.muon_lr_scale`), so configs and run_config.json files written
     before the registries compose as they did. A plug-in option whose name is already a key is excluded
-    (one line when selected); two built-ins clashing is trmoe's bug and raises."""
-    fields: list[tuple[str, Any, Any]] = []
-    sources: list[type] = [base]
+    (one line when selected); two built-ins clashing is trmoe's bug and raises.
+
+    `order`: keys placed first, in this order (the section's key order before it had variants, so that
+    run_config.json and .hydra/config.yaml list them as they did); the others follow as above. The class
+    records its parts in `__parts__` (base, then each options class) for the docs' field comments.
+    `namespace`: names an options class may use in its annotations without importing them at run time
+    (a class of the config layer, which the variant's module sits below)."""
+    fields: list[tuple[str, Any, Any]] = [(f.name, hint, f) for f, hint in _typed_fields(base, namespace)]
     taken = {f.name for f in dataclasses.fields(base)}
+    parts = [base]
     for variant_name, variant in registry.items():
         options = options_of(variant)
         if options is None:
             continue
-        own = dataclasses.fields(options)
-        clash = sorted(f.name for f in own if f.name in taken)
+        own = _typed_fields(options, namespace)
+        clash = sorted(f.name for f, _ in own if f.name in taken)
         if clash:
             registry.exclude(
                 variant_name, f"its option {registry.axis}.{clash[0]} is already a key; rename it"
             )
             continue
-        # the resolved types: a variant module's annotations are strings (`from __future__ import
-        # annotations`) that would not resolve in the section's module
-        hints = typing.get_type_hints(options)
-        for f in own:
-            default = (
-                dataclasses.field(default=f.default)
-                if f.default is not dataclasses.MISSING
-                else dataclasses.field(default_factory=f.default_factory)
-            )
-            fields.append((f.name, hints[f.name], default))
+        for f, hint in own:
+            fields.append((f.name, hint, f))
             taken.add(f.name)
-        sources.append(options)
-    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
+        parts.append(options)
+    rank = {key: i for i, key in enumerate(order)}
+    fields.sort(key=lambda item: rank.get(item[0], len(rank)))  # stable: the rest keep their order
+    specs = []
+    for field_name, hint, f in fields:
+        default = (
+            dataclasses.field(default=f.default)
+            if f.default is not dataclasses.MISSING
+            else dataclasses.field(default_factory=f.default_factory)
+            if f.default_factory is not dataclasses.MISSING
+            else dataclasses.field()
+        )
+        specs.append((field_name, hint, default))
+    # flat (no base class): a dataclass cannot move an inherited field, and `order` may have to
+    cls = dataclasses.make_dataclass(name, specs)
     cls.__module__ = base.__module__
     cls.__doc__ = base.__doc__
-    # the classes whose source declares the fields, in order (trmoe.cli.field_comments reads their comments)
-    cls.__field_sources__ = tuple(sources)
+    cls.__parts__ = tuple(parts)
     return cls
+
+
+def _typed_fields(cls: type, namespace: dict[str, Any] | None = None) -> list[tuple[dataclasses.Field, Any]]:
+    """A dataclass's fields with their types resolved (a module with `from __future__ import annotations`
+    leaves `Field.type` a string)."""
+    hints = typing.get_type_hints(cls, localns=namespace)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]

@@ -10,8 +10,10 @@ would send a reader to several files to find one key's meaning.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -21,6 +23,7 @@ from omegaconf import MISSING, OmegaConf
 
 from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.data.tokenizer import O200K_VOCAB
+from trmoe.data.variant import SOURCES, all_mixture_keys
 from trmoe.errors import UserError
 from trmoe.model.routing import ALL_STRATEGIES, STRATEGY_REGISTRY
 from trmoe.registry import Registry, with_options
@@ -53,13 +56,9 @@ class Parametrization(str, Enum):
     mup = "mup"  # maximal update: init, lr and two forward multipliers scale with width (docs/mup.md)
 
 
-class DataSource(str, Enum):
-    embedded = "embedded"  # the English help texts every CPython ships (pydoc_data), o200k-tokenized
-    random = "random"  # uniform random token ids (smoke tests only: nothing to learn)
-    text = "text"  # a local UTF-8 file, documents separated by blank lines or data.separator
-    tokens = "tokens"  # memory-mapped token shards (python -m trmoe.data.prepare), data.path
-    fineweb = "fineweb"  # documents streamed from local Parquet (data.path) or the HF hub, tokenized live
-    mixture = "mixture"  # a weighted blend of several of the above (data.sources), per-source evaluation
+# data.source's values are the data sources' registry's names (trmoe/data/sources/, plug-ins of the
+# trmoe.data_sources group; trmoe.data.variant): one list, as routing.strategy's
+DataSource = Enum("DataSource", {name: name for name in SOURCES.names()}, type=str)
 
 
 class MatchField(str, Enum):
@@ -322,42 +321,78 @@ OptimizerConfig = with_options("OptimizerConfig", OptimizerCommon, OPTIMIZERS, l
 
 
 @dataclass
-class MixtureSourceConfig:
+class MixtureSourceBase:
     """One source of data=mixture (`data.sources.<name>`): any single-source kind, with its weight. The keys a
     kind does not use must stay null; eval_fraction, split_seed, verify and workers are data.*'s."""
 
-    source: DataSource = MISSING  # embedded | text | tokens | fineweb
+    source: DataSource = MISSING  # a single-source kind (not random, not mixture)
     weight: float = MISSING  # share of the training samples (the weights are normalised over the sources)
     weight_final: float | None = None  # the weight from data.mixture_ramp_end on; None = weight
-    text_path: str | None = None  # text: UTF-8 file
-    separator: str | None = None  # text: document separator; None = blank lines
-    path: str | None = None  # tokens: dataset or shard dir; fineweb: Parquet file, dir or glob
-    eval_path: str | None = None  # tokens: held-out shard dir
-    text_field: str | None = None  # fineweb: the text column; None = data.text_field
-    order: SampleOrder | None = None  # None = data.order (fineweb: sequential)
 
 
 @dataclass
-class DataConfig:
+class DataBase:
+    """The keys every data source shares (each source's own keys follow: trmoe/data/sources/)."""
+
     source: DataSource = DataSource.embedded  # embedded help texts, random ids, a text file, shards, Parquet
-    text_path: str | None = None  # data=text: UTF-8 file, resolved against the launch directory
-    separator: str | None = None  # data=text: document separator; None = one or more blank lines
     eval_fraction: float = 0.1  # share of documents held out (a stable hash of each document decides)
     split_seed: int = 0  # salt of the document hash that assigns train/eval
     order: SampleOrder = SampleOrder.shuffled  # shuffled: a seeded permutation of windows per epoch
-    path: str | None = None  # tokens: dataset dir (train/, eval/) or one shard; fineweb: Parquet file/dir
-    eval_path: str | None = None  # tokens: held-out shard dir; None = eval/ of data.path, or its tail docs
-    verify: bool = False  # tokens: re-hash each tokens.bin (sha256) and rescan its ids at start-up
-    text_field: str = "text"  # fineweb: the Parquet column (or hub field) holding each document's text
-    hf_dataset: str | None = None  # fineweb without data.path: HF hub dataset name (needs the `hf` extra)
-    hf_subset: str | None = None  # fineweb: hub dataset config/subset, e.g. sample-10BT
-    hf_revision: str | None = None  # fineweb: hub revision (commit) to pin the data
-    hf_split: str = "train"  # fineweb: hub split to stream
+    path: str | None = None  # tokens: dataset dir (train/, eval/) or one shard; fineweb, jsonl: file/dir/glob
+    text_field: str = "text"  # fineweb, jsonl: the column (hub field, JSON key) holding each document's text
     workers: int = 2  # fineweb: tokenizer processes feeding the background reader; 0 = in the reader thread
     pin_memory: bool = True  # CUDA/ROCm: batches come from pinned host memory (asynchronous copies)
-    sources: dict[str, MixtureSourceConfig] = field(default_factory=dict)  # data=mixture: name -> source
-    mixture_ramp_start: int | None = None  # mixture: weights leave `weight` after this optimizer step...
-    mixture_ramp_end: int | None = None  # ... and reach `weight_final` at this one (linear; absolute steps)
+
+
+# the keys in the order they had before the sources declared their own (run_config.json, .hydra/config.yaml
+# list them so); a new source's keys follow
+_DATA_KEYS = (
+    "source", "text_path", "separator", "eval_fraction", "split_seed", "order", "path", "eval_path", "verify",
+    "text_field", "hf_dataset", "hf_subset", "hf_revision", "hf_split", "workers", "pin_memory", "sources",
+    "mixture_ramp_start", "mixture_ramp_end",
+)  # fmt: skip
+_MIXTURE_KEYS = (
+    "source", "weight", "weight_final", "text_path", "separator", "path", "eval_path", "text_field", "order",
+)  # fmt: skip
+
+
+def _mixture_source_config() -> type:
+    """MixtureSourceConfig: MixtureSourceBase, then every key some source reads per mixture source
+    (DataSourceVariant.mixture_keys), typed as data.<key> but null by default (= the source's default)."""
+    hints_base = typing.get_type_hints(MixtureSourceBase)
+    hints = typing.get_type_hints(DataBase)
+    for _, variant in SOURCES.items():
+        if variant.options is not None and variant.mixture_keys:
+            wanted = set(variant.mixture_keys) - set(hints)
+            hints.update({k: v for k, v in _resolved(variant.options).items() if k in wanted})
+
+    base = [(f.name, hints_base[f.name], f) for f in dataclasses.fields(MixtureSourceBase)]
+    keys = [(k, hints[k] | None, dataclasses.field(default=None)) for k in all_mixture_keys()]
+    rank = {k: i for i, k in enumerate(_MIXTURE_KEYS)}
+    specs = sorted(base + keys, key=lambda spec: rank.get(spec[0], len(rank)))
+    cls = dataclasses.make_dataclass("MixtureSourceConfig", specs)
+    cls.__module__, cls.__doc__ = __name__, MixtureSourceBase.__doc__
+    parts = [v.options for _, v in SOURCES.items() if v.options and v.mixture_keys]
+    cls.__parts__ = (MixtureSourceBase, DataBase, *parts)  # the keys' comments (docs/configuration.md)
+    return cls
+
+
+def _resolved(options: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(options)
+    except NameError:  # an option typed by a config class (data.sources): not a mixture key
+        return {}
+
+
+MixtureSourceConfig = _mixture_source_config()
+DataConfig = with_options(
+    "DataConfig",
+    DataBase,
+    SOURCES,
+    lambda variant: variant.options,
+    order=_DATA_KEYS,
+    namespace={"MixtureSourceConfig": MixtureSourceConfig},
+)
 
 
 @dataclass
@@ -581,6 +616,7 @@ def _stamp(pattern: str) -> str:
 VARIANT_GROUPS: dict[str, tuple[str, Registry]] = {
     "routing": ("strategy", STRATEGY_REGISTRY),
     "optimizer": ("name", OPTIMIZERS),
+    "data": ("source", SOURCES),
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +20,16 @@ from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.config.schema import (
     AttentionKind,
     Config,
-    DataSource,
     InitState,
     LossBackend,
     ModelInit,
     RoutingStrategy,
-    SampleOrder,
     SpikePolicy,
     check_run_name,
 )
 from trmoe.data.shards import TOKEN_COUNTS_NAME
 from trmoe.data.tokenizer import O200K_VOCAB
+from trmoe.data.variant import SOURCES, check_exclusive
 from trmoe.errors import UserError
 from trmoe.model.routing import (
     MAX_EXPERTS,
@@ -203,24 +201,7 @@ def validate(cfg: Config) -> None:
 
     if not 0.0 < d.eval_fraction < 1.0:
         _fail("data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
-    if d.text_path and d.source != DataSource.text:
-        _fail("data.text_path", d.text_path, f"only used by data=text (data.source: {d.source.value})")
-    if d.source == DataSource.text and not d.text_path:
-        _fail(
-            "data.text_path", d.text_path, "data=text needs a UTF-8 file: data.text_path=/path/to/corpus.txt"
-        )
-    if d.separator == "":
-        _fail("data.separator", "''", "must be a non-empty string, or null for blank lines")
-    if d.source == DataSource.mixture:
-        _validate_mixture(d)
-    else:
-        _validate_streamed_data(d)
-        if d.sources:
-            _fail(
-                "data.sources",
-                sorted(d.sources),
-                f"only data=mixture reads it (data.source: {d.source.value})",
-            )
+    _validate_data(d)
 
     if loss.chunk_tokens < 1:
         _fail("loss.chunk_tokens", loss.chunk_tokens, "must be a positive integer")
@@ -333,93 +314,13 @@ def validate_eval_tool(tool) -> None:
         _fail("dtype", tool.dtype, "allowed: auto, fp32, bf16, fp16")
 
 
-def _validate_streamed_data(d) -> None:
-    """data=tokens and data=fineweb: where the data comes from, and options that only make sense there."""
-    if d.source == DataSource.tokens and not d.path:
-        _fail("data.path", d.path, "data=tokens needs a shard directory: data.path=/path/to/dataset")
-    if d.source == DataSource.fineweb:
-        if not d.path and not d.hf_dataset:
-            _fail(
-                "data.path",
-                d.path,
-                "data=fineweb needs data.path=<Parquet file, dir or glob> or data.hf_dataset=<hub name>",
-            )
-        if d.path and d.hf_dataset:
-            _fail("data.hf_dataset", d.hf_dataset, "set data.path (Parquet) or data.hf_dataset, not both")
-        if d.order != SampleOrder.sequential:
-            _fail("data.order", d.order.value, "data=fineweb streams documents in source order: sequential")
-    if d.path and d.source not in (DataSource.tokens, DataSource.fineweb):
-        _fail("data.path", d.path, f"only used by data=tokens, data=fineweb (data.source: {d.source.value})")
-    if d.eval_path and d.source != DataSource.tokens:
-        _fail("data.eval_path", d.eval_path, "only used by data=tokens")
-    if not d.text_field:
-        _fail("data.text_field", "''", "must name the column that holds the text")
-    if d.workers < 0:
-        _fail("data.workers", d.workers, "must be >= 0 (0 = tokenize in the background reader thread)")
-
-
-_SOURCE_KEYS = {  # data.sources.<name>.* keys each kind reads
-    DataSource.embedded: (),
-    DataSource.text: ("text_path", "separator"),
-    DataSource.tokens: ("path", "eval_path", "order"),
-    DataSource.fineweb: ("path", "text_field", "order"),
-}
-SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _validate_mixture(d) -> None:
-    """data=mixture: the sources, their weights and the weight ramp (docs/data.md, Mixtures)."""
-    for key in ("path", "eval_path", "text_path", "separator"):
-        if getattr(d, key) is not None:
-            _fail(f"data.{key}", getattr(d, key), "data=mixture: set it per source, data.sources.<name>.*")
-    if not d.sources:
-        _fail(
-            "data.sources",
-            "{}",
-            "data=mixture needs at least one source: '+data.sources.<name>={source: text, text_path: f.txt, "
-            "weight: 1}'",
-        )
-    kinds = ", ".join(k.value for k in _SOURCE_KEYS)
-    for name, s in d.sources.items():
-        key = f"data.sources.{name}"
-        if not SOURCE_NAME.fullmatch(name):
-            _fail(key, name, "a source name is letters, digits, '_' and '-' (it names metrics.csv columns)")
-        if s.source not in _SOURCE_KEYS:
-            _fail(f"{key}.source", s.source.value, f"allowed: {kinds}")
-        for field in ("text_path", "separator", "path", "eval_path", "text_field", "order"):
-            if getattr(s, field) is not None and field not in _SOURCE_KEYS[s.source]:
-                _fail(f"{key}.{field}", getattr(s, field), f"not used by source {s.source.value}")
-        if s.source == DataSource.text and not s.text_path:
-            _fail(f"{key}.text_path", None, "a text source needs a UTF-8 file")
-        if s.source in (DataSource.tokens, DataSource.fineweb) and not s.path:
-            _fail(f"{key}.path", None, f"a {s.source.value} source needs data.sources.{name}.path")
-        if s.source == DataSource.fineweb and s.order not in (None, SampleOrder.sequential):
-            _fail(f"{key}.order", s.order.value, "a fineweb source streams documents in order: sequential")
-        if s.separator == "":
-            _fail(f"{key}.separator", "''", "must be a non-empty string, or null for blank lines")
-        for field in ("weight", "weight_final"):
-            value = getattr(s, field)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                _fail(f"{key}.{field}", value, "must be a finite number >= 0")
-    if not sum(s.weight for s in d.sources.values()) > 0:
-        _fail("data.sources.*.weight", 0, "at least one source needs a weight > 0")
-    finals = [s.weight_final for s in d.sources.values()]
-    ramped = any(f is not None for f in finals)
-    if (
-        ramped
-        and not sum(s.weight if f is None else f for s, f in zip(d.sources.values(), finals, strict=True)) > 0
-    ):
-        _fail("data.sources.*.weight_final", 0, "at least one source needs a final weight > 0")
-    start, end = d.mixture_ramp_start, d.mixture_ramp_end
-    if ramped != (start is not None and end is not None) or (start is None) != (end is None):
-        _fail(
-            "data.mixture_ramp_start",
-            start,
-            "a weight schedule needs data.sources.<name>.weight_final and both data.mixture_ramp_start and "
-            "data.mixture_ramp_end (optimizer steps); without one, none of them",
-        )
-    if start is not None and not 0 <= start < end:
-        _fail("data.mixture_ramp_end", end, f"must be > data.mixture_ramp_start={start} >= 0")
+def _validate_data(d) -> None:
+    """data.*: the keys every source shares here; the selected source's own rules (its module in
+    trmoe/data/sources, a mixture's for each of its sources too); a key only another source reads."""
+    source = SOURCES.get(d.source)
+    if source.validate is not None:
+        source.validate(d, "data")
+    check_exclusive(d)
     if not d.text_field:
         _fail("data.text_field", "''", "must name the column that holds the text")
     if d.workers < 0:
@@ -474,16 +375,14 @@ def _validate_reliability(cfg: Config) -> None:
 
 
 def frequencies_path(cfg: Config) -> Path | None:
-    """The token-frequency table a frequency strategy reads: routing.frequencies, else data.path's
-    token_counts.npy (data=tokens); None when neither names one."""
+    """The token-frequency table a frequency strategy reads: routing.frequencies, else the one the data
+    source ships (data=tokens: data.path's token_counts.npy); None when neither names one."""
     r, d = cfg.routing, cfg.data
     if r.frequencies:
         path = Path(r.frequencies).expanduser().absolute()
         return path / TOKEN_COUNTS_NAME if path.is_dir() else path
-    if d.source == DataSource.tokens and d.path:
-        base = Path(d.path).expanduser().absolute()
-        return (base if base.is_dir() else base.parent) / TOKEN_COUNTS_NAME
-    return None
+    counts = SOURCES.get(d.source).counts
+    return counts(d) if counts is not None else None
 
 
 def layer_strategies(cfg: Config) -> tuple[str, ...]:

@@ -167,7 +167,9 @@ def _separated_documents(path: Path, separator: str) -> Iterator[tuple[str, int]
         yield buffer.strip(), offset
 
 
-def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+def jsonl_documents(path: Path, text_field: str, key: str = "--text-field") -> Iterator[tuple[str, int]]:
+    """(document, bytes read so far) of a JSON Lines file: the string `text_field` of each line's object
+    (blank lines and empty texts skipped). `key` names the option that chose the field in the errors."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -187,9 +189,7 @@ def jsonl_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
                     f"({exc.msg.removesuffix(' at')} at column {exc.colno})"
                 ) from None
             if not isinstance(record, dict) or text_field not in record:
-                raise UserError(
-                    f"jsonl file {path}: line {lineno} has no field {text_field!r} (--text-field)"
-                )
+                raise UserError(f"jsonl file {path}: line {lineno} has no field {text_field!r} ({key})")
             text = record[text_field]
             if text is not None and not isinstance(text, str):
                 raise UserError(

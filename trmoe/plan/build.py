@@ -21,7 +21,8 @@ from decimal import Decimal, DecimalException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trmoe.config.resolve import compose_packaged
-from trmoe.config.schema import Config, DataSource, Device, Precision
+from trmoe.config.schema import Config, Device, Precision
+from trmoe.data.variant import SOURCES
 from trmoe.errors import UserError
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -186,7 +187,7 @@ def make_plan(
     memory = estimate_memory(model, spec, counts, cfg, strategy, w.size, dtype)
 
     mixture = None
-    if cfg.data.source == DataSource.mixture:  # samples, tokens and epochs of each source over the run
+    if SOURCES.get(cfg.data.source).composite:  # samples, tokens and epochs of each source over the run
         from trmoe.data.build import build_data
 
         data = build_data(cfg, spec.vocab_size, world_size=w.size)

@@ -1,0 +1,123 @@
+"""data=jsonl: documents from local JSON Lines files (data.path: a file, a folder of *.jsonl files or a glob),
+one JSON object per line, the text in its field data.text_field; o200k-tokenized in memory and split by the
+content hash of each document, as data=text (or a held-out JSONL file, data.jsonl_eval_path)."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trmoe.data.variant import DataSourceVariant, fail
+from trmoe.errors import UserError
+
+if TYPE_CHECKING:
+    from trmoe.config.schema import Config
+    from trmoe.data.corpus import Corpus
+    from trmoe.data.pipeline import DataPipeline
+
+
+@dataclass
+class JsonlOptions:
+    jsonl_eval_path: str | None = None  # jsonl: held-out JSONL file, folder or glob; None = by document hash
+
+
+def jsonl_files(spec: str, key: str) -> list[Path]:
+    """The JSON Lines files of `spec`: one file, every *.jsonl below a folder, or a glob's files; sorted."""
+    if any(ch in spec for ch in "*?["):
+        files = sorted(Path(os.path.abspath(p)) for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        files = [p for p in files if p.is_file()]
+        if not files:
+            raise UserError(f"{key}={spec}: the glob matches no files")
+        return files
+    path = Path(spec).expanduser().resolve()
+    if not path.exists():
+        raise UserError(f"{key}={spec}: no such file or directory")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        if not files:
+            raise UserError(f"{key}={spec}: the directory holds no .jsonl files")
+        return files
+    return [path]
+
+
+def documents(spec: str, text_field: str, key: str) -> tuple[list[tuple[str, str]], list[dict]]:
+    """(key, text) of every document of `spec`'s files in path order, and each file's path and sha256."""
+    from trmoe.data.prepare import jsonl_documents
+
+    docs: list[tuple[str, str]] = []
+    files = []
+    for path in jsonl_files(spec, key):
+        for text, _ in jsonl_documents(path, text_field, "data.text_field"):
+            docs.append((str(len(docs)), text))
+        files.append({"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+    if not docs:
+        raise UserError(f"{key}={spec}: holds no documents (no line with a non-empty {text_field!r})")
+    return docs, files
+
+
+def load(d: Any) -> Corpus:
+    from trmoe.data.corpus import build_corpus
+
+    docs, files = documents(d.path, d.text_field, "data.path")
+    info = {"source": "jsonl", "path": d.path, "files": files, "text_field": d.text_field}
+    if d.jsonl_eval_path is None:
+        return build_corpus(docs, d.eval_fraction, d.split_seed, f"jsonl:{d.path}", info)
+    held, held_files = documents(d.jsonl_eval_path, d.text_field, "data.jsonl_eval_path")
+    return _separate(docs, held, f"jsonl:{d.path}", {**info, "eval_files": held_files})
+
+
+def _separate(train: list[tuple[str, str]], held: list[tuple[str, str]], name: str, info: dict) -> Corpus:
+    """A corpus of two given splits (data.jsonl_eval_path): every document of the held-out files is
+    held out, every one of data.path trains."""
+    from trmoe.data.corpus import Corpus, _make_split
+    from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, tokenizer_fingerprint
+
+    content = hashlib.sha256()
+    for part, docs in (("train", train), ("eval", held)):
+        for key, text in docs:
+            content.update(f"{part}{len(key)}:{key}{len(text)}:{text}".encode())
+    a, b = _make_split([t for _, t in train]), _make_split([t for _, t in held])
+    info = {
+        **info,
+        "name": name,
+        "documents_sha256": content.hexdigest(),
+        "tokenizer": TOKENIZER_NAME,
+        "tokenizer_sha256": tokenizer_fingerprint(),
+        "eos_id": EOS_ID,
+        "split": {"rule": "separate files: data.path trains, data.jsonl_eval_path is held out"},
+        "train": {"documents": a.documents, "tokens": int(a.tokens.size), "bytes": a.bytes},
+        "eval": {"documents": b.documents, "tokens": int(b.tokens.size), "bytes": b.bytes},
+    }
+    return Corpus(name=name, train=a, eval=b, info=info)
+
+
+def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
+    from trmoe.data.build import corpus_pipeline, require_o200k_vocab
+
+    require_o200k_vocab(cfg, vocab_size)
+    return corpus_pipeline(cfg, load(cfg.data))
+
+
+def validate(d: Any, where: str = "data") -> None:
+    if not d.path:
+        allowed = "data=jsonl needs a JSON Lines file, folder or glob: data.path=docs.jsonl"
+        fail(f"{where}.path", d.path, allowed)
+
+
+VARIANT = DataSourceVariant(
+    name="jsonl",
+    example=("data.path=docs.jsonl",),
+    build=build,
+    doc="local JSON Lines files (`data.path`: a file, folder or glob), the text in `data.text_field`",
+    options=JsonlOptions,
+    validate=validate,
+    mixture_keys=("path", "text_field"),
+    inherit=("text_field",),
+    exclusive=("path", "jsonl_eval_path"),
+    split="document content hash (or `data.jsonl_eval_path`)",
+    sample="window of a seeded permutation (or sequential)",
+)

@@ -1,0 +1,228 @@
+"""data=tokens: memory-mapped token shards written by `python -m trmoe.data.prepare` (data.path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trmoe.data.variant import DataSourceVariant, fail
+from trmoe.errors import UserError
+
+if TYPE_CHECKING:
+    from trmoe.config.schema import Config
+    from trmoe.data.pipeline import DataPipeline
+    from trmoe.data.shards import TokenShard
+
+
+@dataclass
+class TokensOptions:
+    eval_path: str | None = None  # tokens: held-out shard dir; None = eval/ of data.path, or its tail docs
+    verify: bool = False  # tokens: re-hash each tokens.bin (sha256) and rescan its ids at start-up
+
+
+def _check_shard_against_model(shard: TokenShard, vocab_size: int) -> bool:
+    """Vocab and tokenizer of a shard vs the model; returns whether its ids are o200k text (bpb defined)."""
+    from trmoe.data.shards import INDEX_NAME
+    from trmoe.data.tokenizer import TOKENIZER_NAME, tokenizer_fingerprint
+
+    index, where = shard.index, shard.directory / INDEX_NAME
+    if index["vocab_size"] > vocab_size:
+        raise UserError(
+            f"token shard {where}: token ids up to {index['vocab_size'] - 1} "
+            f"(vocab_size {index['vocab_size']}, "
+            f"max id {index['max_token_id']}) do not fit model.vocab_size={vocab_size}; allowed: "
+            f"model.vocab_size >= {index['vocab_size']}"
+        )
+    if index["tokenizer"] == TOKENIZER_NAME:
+        # a converted legacy shard hashed its tokenizer another way: its label and vocab are what is known
+        if index.get("converted_from") is None and index["tokenizer_sha256"] != tokenizer_fingerprint():
+            raise UserError(
+                f"token shard {where}: tokenizer {TOKENIZER_NAME} with rank-file sha256 "
+                f"{index['tokenizer_sha256']}, but this trmoe's is {tokenizer_fingerprint()}; "
+                "re-prepare the data"
+            )
+        return True
+    return False
+
+
+def _tail_split(shard: TokenShard, eval_fraction: float, seq_len: int) -> int:
+    """Hold out the last documents of a single shard: the split point is the end (EOS) of the last document
+    that ends before the final max(eval_fraction x N, seq_len + 1) tokens. Reads only back to that EOS."""
+    import numpy as np
+
+    from trmoe.data.shards import INDEX_NAME
+
+    tokens, eos = shard.tokens, shard.index["eos_id"]
+    where = shard.directory / INDEX_NAME
+    if eos is None:
+        raise UserError(
+            f"token shard {where}: has no eos_id, so its documents cannot be held out whole; "
+            "set data.eval_path to a held-out shard"
+        )
+    n = tokens.shape[0]
+    end = n - max(int(n * eval_fraction), seq_len + 1)
+    chunk = 1 << 20
+    while end > 0:
+        start = max(0, end - chunk)
+        hits = np.flatnonzero(np.asarray(tokens[start:end]) == eos)
+        if hits.size:
+            return start + int(hits[-1]) + 1  # train = tokens[:split] ends with EOS
+        end = start
+    raise UserError(
+        f"token shard {where}: no document boundary (EOS) before its last "
+        f"{max(int(n * eval_fraction), seq_len + 1)} "
+        "tokens to hold out whole documents; set data.eval_path or lower data.eval_fraction"
+    )
+
+
+def _shard_dirs(cfg: Config) -> tuple[Path, Path | None]:
+    from trmoe.data.shards import INDEX_NAME
+
+    d = cfg.data
+    root = Path(d.path).expanduser().resolve()
+    if (root / INDEX_NAME).exists():
+        return root, Path(d.eval_path).expanduser().resolve() if d.eval_path else None
+    if (root / "train").is_dir():
+        return root / "train", Path(d.eval_path).expanduser().resolve() if d.eval_path else root / "eval"
+    if not root.exists():
+        raise UserError(f"data.path={d.path}: no such directory")
+    raise UserError(
+        f"data.path={d.path}: not a token shard or dataset (expected {root / INDEX_NAME}, or train/ and "
+        "eval/ "
+        "from `python -m trmoe.data.prepare`)"
+    )
+
+
+def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
+    import logging
+
+    from trmoe.data.build import check_one_batch, pipeline
+    from trmoe.data.evalsets import scored_bytes, scored_tokens
+    from trmoe.data.pipeline import ShardWindows
+    from trmoe.data.sampler import eval_batches
+    from trmoe.data.shards import INDEX_NAME, open_shard
+    from trmoe.data.tokenizer import TOKENIZER_NAME
+
+    log = logging.getLogger("trmoe")
+    d, t = cfg.data, cfg.trainer
+    train_dir, eval_dir = _shard_dirs(cfg)
+    train_shard = open_shard(train_dir, verify=d.verify)
+    if train_shard.index["partition"] != "train":
+        raise UserError(
+            f"token shard {train_dir / INDEX_NAME}: partition is {train_shard.index['partition']!r}; "
+            "training on "
+            "a held-out shard would mix eval into train"
+        )
+    is_text = _check_shard_against_model(train_shard, vocab_size)
+    if d.verify:
+        log.info("data: verified sha256 and token ids of %s", train_dir)
+    name = f"token shard {train_dir}"
+    if eval_dir is not None:
+        eval_shard = open_shard(eval_dir, verify=d.verify)
+        if eval_shard.index["partition"] != "eval":
+            raise UserError(
+                f"token shard {eval_dir / INDEX_NAME}: partition is {eval_shard.index['partition']!r}; "
+                "the held-out shard must be an eval partition"
+            )
+        if eval_shard.index["sha256"] == train_shard.index["sha256"]:
+            raise UserError(f"token shard {eval_dir}: is identical to the training shard {train_dir}")
+        for key in ("tokenizer", "tokenizer_sha256"):
+            if eval_shard.index[key] != train_shard.index[key]:
+                raise UserError(
+                    f"token shard {eval_dir / INDEX_NAME}: {key} {eval_shard.index[key]!r} differs from the "
+                    f"training shard's {train_shard.index[key]!r}"
+                )
+        _check_shard_against_model(eval_shard, vocab_size)
+        if d.verify:
+            log.info("data: verified sha256 and token ids of %s", eval_dir)
+        train_tokens, eval_tokens = train_shard.tokens, eval_shard.tokens
+        eval_name = f"token shard {eval_dir}"
+        split = {
+            "rule": "separate shards",
+            "train": train_shard.fingerprint(),
+            "eval": eval_shard.fingerprint(),
+        }
+    else:
+        cut = _tail_split(train_shard, d.eval_fraction, t.seq_len)
+        train_tokens, eval_tokens = train_shard.tokens[:cut], train_shard.tokens[cut:]
+        eval_name = f"{name} (tail)"
+        split = {
+            "rule": "held-out tail: the documents after token index split_token (an EOS boundary)",
+            "eval_fraction": d.eval_fraction,
+            "split_token": cut,
+            "train": train_shard.fingerprint(),
+            "eval": None,
+        }
+    train = ShardWindows(train_tokens, t.seq_len, d.order.value, t.seed, name=name, vocab_size=vocab_size)
+    check_one_batch(train.num_windows, cfg, name)
+    held_out = ShardWindows(eval_tokens, t.seq_len, "sequential", 0, name=eval_name, vocab_size=vocab_size)
+    train_fixed = ShardWindows(train_tokens, t.seq_len, "sequential", 0, name=name, vocab_size=vocab_size)
+    eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
+    eval_bytes = scored_bytes(eval_set) if is_text else None
+    if not is_text:
+        log.info(
+            "data: tokenizer %r is not %s text: eval_bpb is NaN",
+            train_shard.index["tokenizer"],
+            TOKENIZER_NAME,
+        )
+    info = {
+        "source": "tokens",
+        "shards": split,
+        "tokenizer": train_shard.index["tokenizer"],
+        "tokenizer_sha256": train_shard.index["tokenizer_sha256"],
+        "order": d.order.value,
+        "train_windows": train.num_windows,
+        "eval_windows": held_out.num_windows,
+        "eval_tokens_scored": scored_tokens(eval_set),
+        "eval_bytes_scored": eval_bytes,
+    }
+    return pipeline(
+        t,
+        train,
+        eval_set,
+        info,
+        fixed=train_fixed,
+        eval_bytes=eval_bytes,
+        train_stream=f"the first windows of {name} in file order (training data, not held out)",
+        eval_stream=f"the first windows of {eval_name} (held-out documents)",
+        identity=[
+            split["train"]["sha256"],
+            split["eval"] and split["eval"]["sha256"],
+            split.get("split_token"),
+        ],
+    )
+
+
+def validate(d: Any, where: str = "data") -> None:
+    if not d.path:
+        if where == "data":
+            fail("data.path", d.path, "data=tokens needs a shard directory: data.path=/path/to/dataset")
+        fail(f"{where}.path", None, f"a tokens source needs {where}.path")
+
+
+def counts(d: Any) -> Path | None:
+    """The token_counts.npy that `python -m trmoe.data.prepare` writes beside the shards of data.path."""
+    from trmoe.data.shards import TOKEN_COUNTS_NAME
+
+    if not d.path:
+        return None
+    base = Path(d.path).expanduser().absolute()
+    return (base if base.is_dir() else base.parent) / TOKEN_COUNTS_NAME
+
+
+VARIANT = DataSourceVariant(
+    name="tokens",
+    example=("data.path=data/corpus",),
+    build=build,
+    doc="memory-mapped token shards written by `python -m trmoe.data.prepare`",
+    options=TokensOptions,
+    validate=validate,
+    mixture_keys=("path", "eval_path", "order"),
+    inherit=("order",),
+    exclusive=("path", "eval_path"),
+    split="separate shards (or held-out tail documents)",
+    sample="window of a seeded permutation (or sequential)",
+    counts=counts,
+    order=3,
+)
