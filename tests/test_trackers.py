@@ -20,7 +20,11 @@ from presets import TINY_RUN
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
+from trmoe.run.columns import sections
 from trmoe.train.observe import trackers
+from trmoe.train.trainer import columns_documented
+
+SECTIONS = sections(columns_documented())  # metrics.csv column -> tracker scalar
 
 RUN = [
     *TINY_RUN,
@@ -117,7 +121,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
     assert sorted(layers["moe/layer_1/imbalance"]) == list(range(1, 9))
     assert {f"moe/layer_{i}/{c}" for i in (0, 1) for c in ("share_3", "dead", "grad_norm_0")} <= set(layers)
     # the trackers' names: in sections (train/loss, throughput/mfu, ...), metrics.csv's columns unchanged
-    expected = {trackers.tracker_name(k): v for k, v in expected.items()}
+    expected = {trackers.tracker_name(k, SECTIONS): v for k, v in expected.items()}
     assert {"train/loss", "eval/loss", "throughput/tok_s", "throughput/mfu", "memory/peak_gib"} <= set(
         expected
     )
@@ -168,7 +172,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
         steps = [step for step, _ in history]
         assert steps == sorted(values), (key, steps)  # no step twice
         # the re-logged steps as the killed attempt logged them: a CPU rerun recomputes them bit for bit
-        timing = key in {trackers.tracker_name(c) for c in TIMING_COLUMNS}
+        timing = key in {trackers.tracker_name(c, SECTIONS) for c in TIMING_COLUMNS}
         for step, value in history:
             if not timing or step not in relogged:
                 assert value == pytest.approx(values[step], rel=1e-8, abs=1e-12), (key, step)  # %.9g
@@ -228,5 +232,5 @@ def test_mlflow_store_is_the_local_database_unless_a_file_store_is_there(tmp_pat
     assert trackers.default_store(runs / "r") == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
     (runs / "mlruns").mkdir(parents=True)
     assert trackers.default_store(runs / "r") == (runs / "mlruns").resolve().as_uri()
-    assert trackers.tracker_name("eval_loss/help") == "eval/loss/help"
-    assert trackers.tracker_name("acc_norm/piqa") == "downstream/acc_norm/piqa"
+    assert trackers.tracker_name("eval_loss/help", SECTIONS) == "eval/loss/help"
+    assert trackers.tracker_name("acc_norm/piqa", SECTIONS) == "downstream/acc_norm/piqa"

@@ -116,14 +116,11 @@ class Launch:
                     step,
                     ", ".join(p.name for p in moved),
                 )
-        for path in run.step_csvs():
-            if path != metrics and path.is_file():
-                records.trim_csv(path, step)
-        if metrics.is_file():
-            self.metrics_rows = records.continue_metrics(metrics, step)
-        else:
-            records.StepCsv(metrics, records.METRIC_COLUMNS).close()
-            self.metrics_rows = 0
+        for path in run.step_csvs():  # metrics.csv's columns are migrated by the Trainer's output, by name
+            if path.is_file():
+                kept = records.trim_csv(path, step)
+                if path == metrics:
+                    self.metrics_rows = kept
         expected = self.checkpoint.meta.get("metrics", {}).get("rows")
         if expected is not None and expected != self.metrics_rows:
             log.warning(

@@ -2,7 +2,8 @@
 
 Nothing is written before the config is valid; files are written whole (temporary name, then rename).
 An existing run's records are never overwritten: a resume continues metrics.csv from its checkpoint's step
-(`continue_metrics`), and trmoe.run.launch decides, before any write, what a launch may do. The file
+(`trim_csv`, then `StepCsv(..., append=True, migrate=True)` in this run's column set), and trmoe.run.launch
+decides, before any write, what a launch may do. The file
 names are trmoe.run.rundir's.
 """
 
@@ -26,42 +27,6 @@ from trmoe.errors import UserError
 from trmoe.run.rundir import RunDir
 
 SCHEMA_VERSION = 1
-
-# Fixed column order. Expert columns are NaN unless telemetry fills them.
-METRIC_COLUMNS = (
-    "step",
-    "tokens",
-    "train_loss",  # pure cross-entropy, mean over the tokens of the steps since the last row
-    "train_ppl",
-    "train_objective",  # what was optimised: smoothed CE + z-loss term
-    "eval_train_loss",  # pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)
-    "eval_loss",  # pure cross-entropy on the fixed held-out batches
-    "eval_ppl",
-    "eval_bpb",  # held-out bits per UTF-8 byte: summed CE / ln 2 / bytes of the scored text (NaN: no text)
-    "lr",  # lr of the group holding the tied embedding (optimizer.lr x the schedule multiplier)
-    "lr_expert",  # lr applied to the routed experts' matrices (Muon's under muon_tr)
-    "lr_shared",  # lr applied to the shared expert's matrices
-    "grad_norm",  # global gradient norm before clipping
-    "tok_s",  # training tokens per second over the logging window, evaluation time excluded
-    "elapsed_s",
-    "mfu",  # model FLOPs utilisation of one device over the window (observe/meters.py: peak, FLOPs)
-    "peak_mem_gib",  # peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU
-    "shared_gate",
-    "routed_gate",
-    "expert_imbalance",  # telemetry.moe: max share / mean share of route slots, mean over layers
-    "expert_dead",  # telemetry.moe: experts with no route slot in the window, summed over layers
-    "shared_rms",  # telemetry.moe: RMS of the shared branch's output contribution, mean over layers
-    "routed_rms",  # telemetry.moe: RMS of the routed branch's output contribution, mean over layers
-    "grad_norm_shared",  # telemetry.moe: grad norm of the shared experts (all layers), before clipping
-    "grad_norm_routed",  # telemetry.moe: grad norm of the routed experts (all layers), before clipping
-    "primary_weight",  # top-k primary weight p at this step (nan when top_k = 1)
-    "diversity_lambda",  # lambda of the expert-diversity penalty at this step (nan when off)
-    "diversity",  # expert-diversity penalty (mean squared expert cosine) at this step (nan when off)
-    "router_aux",  # routing=learned: load-balancing loss at this step (layer mean; 1 = balanced; else nan)
-    "router_z",  # routing=learned: router z-loss at this step (layer mean; nan otherwise)
-    "skipped_steps",  # steps skipped so far: non-finite loss or gradient, or a batch dropped by a rollback
-    "loss_spikes",  # loss spikes detected so far (guard.spike_factor)
-)
 
 
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -133,18 +98,33 @@ def _fmt(value: Any) -> str:
 class StepCsv:
     """A per-step CSV (metrics.csv, telemetry.csv): a header of `columns`, then one line per row, each value
     formatted by `_fmt`, flushed as written. `append=True` continues a file that already holds a header and
-    `rows` rows (a resume: trmoe.run.launch trimmed it to the checkpoint's step, `continue_metrics` /
-    `trim_csv`); otherwise the file is started with the header. `continuing` decides that from the file."""
+    `rows` rows (a resume: trmoe.run.launch trimmed it to the checkpoint's step, `trim_csv`); otherwise the
+    file is started with the header. `continuing` decides that from the file.
 
-    def __init__(self, path: Path, columns: Sequence[str], *, append: bool = False, rows: int = 0):
+    Appending, the file's header may name the same columns in another order, or others: rows are matched by
+    name. By default the file keeps its extra columns; with `migrate` (metrics.csv) it is rewritten in
+    `columns` (new columns nan), keeping only the extra per-run family columns (`eval_loss/<source>`, with a
+    "/"), the original kept as <name>.orig."""
+
+    def __init__(
+        self,
+        path: Path,
+        columns: Sequence[str],
+        *,
+        append: bool = False,
+        rows: int = 0,
+        migrate: bool = False,
+    ):
         self.path = path
         self.columns = tuple(columns)
         self.rows = rows if append else 0
-        if append:  # the file's header may name the same columns in another order, or more: by name
+        if append:
             header, _ = read_step_rows(path, 0)
-            extra = [c for c in header or () if c not in self.columns]
+            extra = [c for c in header or () if c not in self.columns and (not migrate or "/" in c)]
             self.columns = (*self.columns, *extra)
             if header is not None and tuple(header) != self.columns:
+                if migrate:
+                    _set_aside(path, [c for c in header if c not in self.columns])
                 _rewrite(path, self.columns, header)
         self._file = open(path, "a" if append else "w", newline="", opener=nofollow)
         self._writer = csv.writer(self._file)
@@ -220,25 +200,15 @@ def read_step_rows(path: Path, through_step: int) -> tuple[list[str] | None, lis
     return header, kept
 
 
-def continue_metrics(path: Path, through_step: int) -> int:
-    """Keep the rows of metrics.csv up to `through_step` (the checkpoint a run resumes from), so that the
-    resumed run's rows follow without a step appearing twice. The file is rewritten atomically; a header
-    from an older column set, or the same columns in another order, is migrated by column name (new columns
-    get nan; the original is kept as metrics.csv.orig).
-    Per-source columns (`eval_loss/<source>`, after METRIC_COLUMNS) are kept. Returns the number of rows
-    kept."""
-    header, _ = read_step_rows(path, through_step)
-    header = header if header is not None else list(METRIC_COLUMNS)
-    columns = (*METRIC_COLUMNS, *(c for c in header if "/" in c))
-    if tuple(header) != columns:
-        dropped = [c for c in header if c not in columns]
-        shutil.copyfile(path, path.with_name(path.name + ".orig"))
-        logging.getLogger("trmoe").warning(
-            "metrics.csv: columns migrated to this trmoe's set (new columns nan%s); original kept as %s.orig",
-            f"; dropped {dropped}" if dropped else "",
-            path.name,
-        )
-    return _rewrite(path, columns, header, through_step)
+def _set_aside(path: Path, dropped: Sequence[str]) -> None:
+    """Keep `path` as <name>.orig before its columns are migrated to this trmoe's set."""
+    shutil.copyfile(path, path.with_name(path.name + ".orig"))
+    logging.getLogger("trmoe").warning(
+        "%s: columns migrated to this trmoe's set (new columns nan%s); original kept as %s.orig",
+        path.name,
+        f"; dropped {list(dropped)}" if dropped else "",
+        path.name,
+    )
 
 
 def _rewrite(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trmoe.config.schema import GuardConfig, SpikePolicy
+from trmoe.run.columns import MetricColumn
 
 APPLY, SKIP, ROLLBACK = "apply", "skip", "rollback"
 
@@ -35,6 +36,23 @@ class Verdict:
 
 
 class StepGuard:
+    COLUMNS = (
+        MetricColumn(
+            "skipped_steps",
+            "steps",
+            "guard/skipped_steps",
+            "steps skipped so far: non-finite loss or gradient, or a batch dropped by a rollback",
+            slot=30,
+        ),
+        MetricColumn(
+            "loss_spikes",
+            "steps",
+            "guard/loss_spikes",
+            "loss spikes detected so far (guard.spike_factor)",
+            slot=31,
+        ),
+    )
+
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
         self.recent: deque[float] = deque(maxlen=cfg.spike_window)  # accepted step losses
@@ -101,6 +119,13 @@ class StepGuard:
     def drop(self, step: int) -> None:
         """Count a batch that a rollback skips (when the replay reaches it)."""
         self.skipped += 1
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def row(self, step: int, row) -> dict[str, Any]:
+        """Its metrics columns (a producer, trmoe.run.columns)."""
+        return {"skipped_steps": self.skipped, "loss_spikes": self.spikes}
 
     @property
     def too_many_skips(self) -> bool:

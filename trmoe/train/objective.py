@@ -16,6 +16,7 @@ from torch import nn
 from trmoe.config.schema import Config, LossBackend
 from trmoe.loss.backend import resolve_backend, training_loss
 from trmoe.loss.tied import LossSums
+from trmoe.run.columns import MetricColumn
 from trmoe.runtime import env
 from trmoe.train.diversity import expert_diversity
 
@@ -23,6 +24,30 @@ log = logging.getLogger("trmoe")
 
 
 class Objective:
+    COLUMNS = (
+        MetricColumn(
+            "diversity",
+            "1",
+            "moe/diversity",
+            "expert-diversity penalty (mean squared expert cosine) at this step (nan when off)",
+            slot=27,
+        ),
+        MetricColumn(
+            "router_aux",
+            "1",
+            "moe/router_aux",
+            "routing=learned: load-balancing loss at this step (layer mean; 1 = balanced; else nan)",
+            slot=28,
+        ),
+        MetricColumn(
+            "router_z",
+            "1",
+            "moe/router_z",
+            "routing=learned: router z-loss at this step (layer mean; nan otherwise)",
+            slot=29,
+        ),
+    )
+
     def __init__(
         self,
         cfg: Config,
@@ -115,9 +140,12 @@ class Objective:
                 extra = weight * term if extra is None else extra + weight * term
         return None if extra is None else extra / micro_batches
 
-    def columns(self) -> dict[str, Any]:
-        """The metrics columns of a logged step: the penalty's last value, the router's losses (the mean
-        over ranks)."""
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def row(self, step: int, row) -> dict[str, Any]:
+        """The metrics columns of a logged step (a producer, trmoe.run.columns): the penalty's last value,
+        the router's losses (the mean over ranks)."""
         row: dict[str, Any] = {"diversity": None if self._diversity is None else float(self._diversity)}
         if self._router is not None:
             router = self._router.clone()

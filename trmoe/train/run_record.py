@@ -20,6 +20,7 @@ from trmoe.config.schema import Config
 from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import ParamCounts
 from trmoe.run import records
+from trmoe.run.columns import MetricColumn
 from trmoe.run.launch import Launch
 from trmoe.runtime import env
 from trmoe.runtime.distributed import DistEnv
@@ -41,7 +42,7 @@ class RunFacts:
     tokens_per_step: int
     checkpoints: bool  # checkpoint.enabled
     data: dict[str, Any]  # the data's identity (DataPipeline.info)
-    metrics_columns: tuple[str, ...]
+    metrics_columns: tuple[MetricColumn, ...]  # the producers' declarations, in metrics.csv's order
     mfu_peak: dict[str, Any]  # the peak FLOP/s the mfu column is against, its source (observe/meters.py)
     controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
     init_from: dict[str, Any] | None = None  # the parent of trainer.init_from (InitSource.record)
@@ -102,7 +103,8 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "tokens_per_step": tokens_per_step,
             "total_tokens": tokens_per_step * t.steps,
             "data": facts.data,
-            "metrics_columns": list(facts.metrics_columns),
+            "metrics_columns": [c.name for c in facts.metrics_columns],
+            "metrics_declared": [c.record() for c in facts.metrics_columns],  # units, trackers, plots
             "mfu_peak": facts.mfu_peak,  # a resume reuses a measured one: one figure for every attempt
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width

@@ -11,9 +11,46 @@ from torch import nn
 
 from trmoe.optim.build import GroupLRs, describe_groups
 from trmoe.optim.schedule import Schedules, apply_lr
+from trmoe.run.columns import MetricColumn
 
 
 class Scheduler:
+    COLUMNS = (
+        MetricColumn(
+            "lr",
+            "1",
+            "optim/lr",
+            "lr of the group holding the tied embedding (optimizer.lr x the schedule multiplier)",
+            slot=9,
+        ),
+        MetricColumn(
+            "lr_expert",
+            "1",
+            "optim/lr_expert",
+            "lr applied to the routed experts' matrices (Muon's under muon_tr)",
+            slot=10,
+        ),
+        MetricColumn(
+            "lr_shared", "1", "optim/lr_shared", "lr applied to the shared expert's matrices", slot=11
+        ),
+        MetricColumn("shared_gate", "1", "moe/shared_gate", "shared branch gate, mean over layers", slot=17),
+        MetricColumn("routed_gate", "1", "moe/routed_gate", "routed branch gate, mean over layers", slot=18),
+        MetricColumn(
+            "primary_weight",
+            "1",
+            "moe/primary_weight",
+            "top-k primary weight p at this step (nan when top_k = 1)",
+            slot=25,
+        ),
+        MetricColumn(
+            "diversity_lambda",
+            "1",
+            "moe/diversity_lambda",
+            "lambda of the expert-diversity penalty at this step (nan when off)",
+            slot=26,
+        ),
+    )
+
     def __init__(self, schedules: Schedules, model: nn.Module, optimizer):
         self.schedules, self.model, self.optimizer = schedules, model, optimizer
         self.values: dict[str, float | None] = {}  # this step's
@@ -36,8 +73,12 @@ class Scheduler:
                     ffn.routed_gate.fill_(v["routed_gate"])
         return v
 
-    def columns(self) -> dict[str, Any]:
-        """The metrics columns of a logged step: per-group LRs, the gates' means, p, lambda."""
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def row(self, step: int, row) -> dict[str, Any]:
+        """The metrics columns of a logged step (a producer, trmoe.run.columns): per-group LRs, the gates'
+        means, p, lambda."""
         row: dict[str, Any] = dict(self._group_lrs.row())
         row["shared_gate"], row["routed_gate"] = _gate_means(self.model)
         routed = [b.ffn.routed for b in self.model.blocks if b.ffn.routed is not None]

@@ -9,6 +9,7 @@ Components (attributes, each owning its state and, where it has one, its cadence
     data                      the data pipeline and its cursor
     guard                     non-finite / spike guard (StepGuard)
     window                    the metrics window behind the next metrics.csv row (MetricsWindow)
+    training                  a row's first columns: step, tokens, losses, tok/s (TrainingColumns)
     rng                       every random generator (RNG)
     state                     step, training time, last held-out loss (TrainState)
     evaluators                held-out loss, downstream tasks: columns on their own cadence (evaluation.py)
@@ -16,6 +17,10 @@ Components (attributes, each owning its state and, where it has one, its cadence
     store                     the checkpoints and their cadence (CheckpointStore)
     efficiency                the mfu and peak_mem_gib columns (meters.EfficiencyMeter)
     profiler                  torch.profiler over a few steps (debug=profile)
+
+`producers` are the components that give a metrics row columns (trmoe.run.columns: each declares its
+columns and returns their values at a log step); metrics.csv's header, the trackers' names and the report's
+knowledge of the columns come from their declarations.
 
 Building a Trainer writes nothing; entering it (a context manager) opens the run's files, the trackers and
 the profiler, and leaving it closes them (the trackers told the run's outcome), however the run ends.
@@ -43,7 +48,7 @@ from trmoe.model.spec import ModelSpec
 from trmoe.model.transformer import TRMoETransformer, count_parameters
 from trmoe.optim.build import build_optimizer
 from trmoe.optim.schedule import build_schedules
-from trmoe.run import records, signals
+from trmoe.run import columns, signals
 from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
 from trmoe.run.rundir import TELEMETRY, RunDir
@@ -53,8 +58,8 @@ from trmoe.train import guards
 from trmoe.train.objective import Objective
 from trmoe.train.observe import meters
 from trmoe.train.observe.downstream import Downstream
-from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss, ppl
-from trmoe.train.observe.metrics import MetricsWindow
+from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss
+from trmoe.train.observe.metrics import MetricsWindow, TrainingColumns, ppl
 from trmoe.train.observe.output import RunOutput, log_cadence
 from trmoe.train.observe.profiling import StepProfiler
 from trmoe.train.observe.telemetry import TelemetryObserver
@@ -66,6 +71,19 @@ from trmoe.train.state import RNG, Components, TrainState
 log = logging.getLogger("trmoe")
 
 STATE_VERSION = 1  # of a checkpoint's rank-local state (rank_XXXXX.pt)
+
+# the classes of `Trainer.producers`, for what lists their columns without a run (docs/training.md's table)
+PRODUCERS = (TrainingColumns, Scheduler, Objective, TelemetryObserver, meters.EfficiencyMeter,
+             guards.StepGuard, HeldOutLoss, Downstream)  # fmt: skip
+
+
+def columns_documented() -> tuple[columns.MetricColumn, ...]:
+    """Every built-in metrics column in metrics.csv's order, a per-run family by one member named for what
+    varies (`acc/<task>`)."""
+    return columns.declared(
+        columns.Declared((*p.COLUMNS, *(f.member(f"<{p.MEMBER}>") for f in getattr(p, "FAMILIES", ()))))
+        for p in PRODUCERS
+    )
 
 
 class Trainer:
@@ -120,16 +138,30 @@ class Trainer:
         self.components.register("telemetry", self.telemetry)  # its open window, summed over ranks
         self.components.register("guard", self.guard)
         self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
-        # metrics.csv's columns: the fixed ones, then the evaluators' own (per-source losses, accuracies)
-        self.columns = (*records.METRIC_COLUMNS, *(name for e in self.evaluators for name in e.names))
-        self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
         self.param_counts = count_parameters(model)
+        previous = (self.launch.previous or {}).get("mfu_peak")  # an earlier attempt's measured peak
+        self._peak = meters.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
+        flops = flops_per_token(model.spec, self.param_counts, t.seq_len)
+        self.efficiency = meters.EfficiencyMeter(device, flops, *self._peak, world_size=world)
+        self.training = TrainingColumns(self.window, self.state, world)
+        self.training.grad_norm = torch.zeros((), device=device)
+        # a metrics row's columns, in the order they are computed (evaluation last: its time is not training
+        # time, and peak memory is read before it); metrics.csv orders them by their declarations
+        self.producers: list[columns.MetricProducer] = [
+            self.training,
+            self.scheduler,  # per-group LRs, gates, p, lambda
+            self.objective,  # the penalty, the router's losses
+            self.telemetry or columns.Declared(TelemetryObserver.COLUMNS),  # nan when telemetry is off
+            self.efficiency,  # MFU, peak memory
+            self.guard,  # skipped steps, loss spikes
+            *self.evaluators,  # held-out losses, downstream accuracies: on their own cadence
+        ]
+        self.declared = columns.declared(self.producers)
+        self.columns = columns.header(self.declared)  # metrics.csv's header
+        self.identity = launch.identity(raw_cfg, data.info)  # what every checkpoint's meta.json carries
         self._cleanup = contextlib.ExitStack()  # output, profiler, anomaly mode: closed by close()
         self._outcome: BaseException | None = None  # how the run ended, for the trackers
         self._clock = time.perf_counter()
-        previous = (self.launch.previous or {}).get("mfu_peak")  # an earlier attempt's measured peak
-        self._peak = meters.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
-        self._grad_norm = torch.zeros((), device=device)
 
     def facts(self) -> RunFacts:
         """What run_record.announce says and records about this run."""
@@ -144,7 +176,7 @@ class Trainer:
             tokens_per_step=self.state.tokens_per_step,
             checkpoints=self.store.enabled,
             data=self.data.info,
-            metrics_columns=self.columns,
+            metrics_columns=self.declared,
             mfu_peak=meters.peak_record(self.device, *self._peak),
             controls={
                 "loss_backend": self.objective.loss_backend.value,
@@ -163,14 +195,13 @@ class Trainer:
                 cfg,
                 self.launch,
                 rank=self.dist.rank,
-                columns=self.columns,
+                columns=self.declared,
                 config_hash=self.identity["config_hash"],
                 config=OmegaConf.to_container(self.raw_cfg, resolve=True),
                 telemetry_experts=None if self.telemetry is None else self.telemetry.num_experts,
             )
             self._cleanup.callback(lambda: self.output.close(self._outcome))
-            flops = flops_per_token(self.model.spec, self.param_counts, self.t.seq_len)
-            self.efficiency = meters.EfficiencyMeter(self.device, flops, *self._peak)
+            self.efficiency.announce()
             self.profiler = self._cleanup.enter_context(StepProfiler(cfg.debug, self.run.path, self.device))
             if cfg.debug.anomaly:
                 self._cleanup.enter_context(torch.autograd.set_detect_anomaly(True))
@@ -255,7 +286,8 @@ class Trainer:
             self.telemetry.before_clip(step)  # the gradient norms of a logged step
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        self._grad_norm = grad_norm = parallel.full(grad_norm)  # FSDP: a DTensor norm, the same everywhere
+        # FSDP: a DTensor norm, the same everywhere
+        self.training.grad_norm = grad_norm = parallel.full(grad_norm)
         verdict = self.guard.verdict(step, step_ce, step_obj, step_tokens, grad_norm, world)
         if verdict.action == guards.ROLLBACK:
             return verdict
@@ -272,12 +304,17 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The columns of every evaluator due at `step`; a held-out loss becomes the run's last eval_loss."""
-        figures: dict[str, float] = {}
-        for evaluator in self.evaluators:
-            figures.update(evaluator.columns(step))
-        if "eval_loss" in figures:
-            self.state.eval_loss = figures["eval_loss"]
-        return figures
+        return self._row(step, self.evaluators)
+
+    def _row(self, step: int, producers) -> dict[str, Any]:
+        """The columns of `producers` at `step`, merged in order; a held-out loss in them becomes the run's
+        last eval_loss."""
+        row: dict[str, Any] = {}
+        for producer in producers:
+            row.update(producer.row(step, row))
+        if row.get("eval_loss") is not None:
+            self.state.eval_loss = row["eval_loss"]
+        return row
 
     def _tick(self) -> None:
         """Count the time since the last tick as training time."""
@@ -289,34 +326,15 @@ class Trainer:
     def maybe_log(self, step: int) -> None:
         """The metrics row of a log step (its cadence, a halt, and every step an evaluator is due at), with
         those evaluations and telemetry's rows; evaluation and logging are not training time."""
-        t = self.t
         halt = self.guard.too_many_skips
         if not (self.log_cadence.due(step) or halt or any(e.due(step) for e in self.evaluators)):
             self._tick()
             return
-        train_ce, train_objective = self.window.means()  # the window's host sync (and all-reduce)
+        self.training.sync()  # the window's host sync (and all-reduce)
         self._tick()
-        row = {
-            "step": step,
-            "tokens": self.state.tokens,
-            "train_loss": train_ce,
-            "train_ppl": ppl(train_ce),
-            "train_objective": train_objective,
-            "grad_norm": self._grad_norm.item(),
-            "tok_s": self.window.tokens * self.dist.world_size / max(self.window.time, 1e-9),
-            "elapsed_s": self.state.train_time,
-            "skipped_steps": self.guard.skipped,
-            "loss_spikes": self.guard.spikes,
-        }
-        row.update(self.scheduler.columns())  # per-group LRs, gates, p, lambda
-        row.update(self.objective.columns())  # the penalty, the router's losses
-        layers = None
-        if self.telemetry is not None:
-            aggregate, layers = self.telemetry.collect(step)
-            row.update(aggregate)
-        row.update(self.efficiency.columns(row["tok_s"] / self.dist.world_size))  # MFU, peak memory
-        row.update(self.evaluate(step))
-        eta_s = (t.steps - step) * self.state.train_time / step
+        row = self._row(step, self.producers)
+        layers = self.telemetry.layers if self.telemetry is not None else None
+        eta_s = (self.t.steps - step) * self.state.train_time / step
         self.output.write(row, layers=layers, eta_s=eta_s)  # telemetry.csv's rows too
         self.window.reset()
         self._clock = time.perf_counter()

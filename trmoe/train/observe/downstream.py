@@ -21,6 +21,7 @@ import torch
 from trmoe.config.schema import Config, TrainerConfig
 from trmoe.errors import UserError
 from trmoe.run.cadence import NEVER, Cadence
+from trmoe.run.columns import MetricColumn
 
 log = logging.getLogger("trmoe")
 
@@ -48,7 +49,21 @@ def downstream_cadence(t: TrainerConfig, every: int | None) -> Cadence:
 class Downstream:
     """Constructed once, before anything is written (so an unknown task, a task whose data is not on this
     machine, or a missing lm-eval is one line, exit 2); `names` are its metrics.csv columns, `due(step)`
-    says whether `columns(step)` evaluates at that step."""
+    says whether `columns(step)` evaluates at that step. A metrics producer (trmoe.run.columns)."""
+
+    COLUMNS: tuple[MetricColumn, ...] = ()
+    # its metrics.csv columns, one of each per task: acc/<task>, acc_norm/<task>
+    FAMILIES = (
+        MetricColumn("acc", "accuracy", "downstream/acc", "downstream accuracy (higher is better)", True),
+        MetricColumn(
+            "acc_norm",
+            "accuracy",
+            "downstream/acc_norm",
+            "downstream length-normalised accuracy (higher is better)",
+            plot=True,
+        ),
+    )
+    MEMBER = "task"
 
     def __init__(self, cfg: Config):
         ds = cfg.downstream
@@ -73,6 +88,13 @@ class Downstream:
                 )
             self._metrics[task] = have
         self.names = tuple(f"{m}/{task}" for task in self.tasks for m in self._metrics[task])
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        family = {c.name: c for c in self.FAMILIES}
+        return tuple(family[m].member(task) for task in self.tasks for m in self._metrics[task])
+
+    def row(self, step: int, row) -> dict[str, float]:
+        return self.columns(step)
 
     def attach(self, model, device: torch.device, amp_dtype) -> None:
         """The model to evaluate (the plain module: not a DDP or compiled wrapper) and its autocast."""

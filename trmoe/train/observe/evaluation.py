@@ -1,16 +1,15 @@
 """Evaluators: components that measure the model and return metrics columns.
 
-An evaluator has `names` (the metrics.csv columns it adds beyond records.METRIC_COLUMNS), `due(step)` (its
-own cadence: a trmoe.run.cadence.Cadence) and `columns(step) -> dict[str, float]`. `Trainer.evaluate(step)`
-merges the columns of every evaluator due at that step, in the order of `Trainer.evaluators`, into the
-metrics row; a step at which any evaluator is due writes a row. `HeldOutLoss` is the one every run has
-(with a data mixture, each source's loss too); `trmoe.train.observe.downstream.Downstream` (lm-eval tasks)
-is the other.
+An evaluator is a metrics producer (trmoe.run.columns: `columns_declared()`, `row(step, row)`) with its own
+cadence, `due(step)` (a trmoe.run.cadence.Cadence): its `row` is empty at the steps it is not due at.
+`Trainer.evaluators` are among the Trainer's producers; a step at which any evaluator is due writes a row.
+`HeldOutLoss` is the one every run has (with a data mixture, each source's loss too);
+`trmoe.train.observe.downstream.Downstream` (lm-eval tasks) is the other.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -21,24 +20,22 @@ from trmoe.data.pipeline import Batch, DataPipeline
 from trmoe.loss.tied import chunked_tied_ce
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.run.cadence import Cadence
+from trmoe.run.columns import MetricColumn
 from trmoe.runtime import env
+from trmoe.train.observe.metrics import ppl
 
 
 class Evaluator(Protocol):
-    names: tuple[str, ...]
-
     def due(self, step: int) -> bool: ...
 
-    def columns(self, step: int) -> dict[str, float]: ...
+    def columns_declared(self) -> tuple[MetricColumn, ...]: ...
+
+    def row(self, step: int, row) -> dict[str, float]: ...
 
 
 def held_out_cadence(t: TrainerConfig) -> Cadence:
     """The held-out evaluation's steps: 0, every trainer.eval_every and the last."""
     return Cadence(t.eval_every, at=(0, t.steps))
-
-
-def ppl(loss: float) -> float:
-    return math.exp(min(loss, 50.0))
 
 
 @torch.no_grad()
@@ -65,6 +62,37 @@ class HeldOutLoss:
     held-out set is theirs together, so the overall loss is their token-weighted mean (each batch is scored
     once)."""
 
+    COLUMNS = (
+        MetricColumn(
+            "eval_train_loss",
+            "nats/token",
+            "eval/train_loss",
+            "pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)",
+            slot=5,
+        ),
+        MetricColumn(
+            "eval_loss",
+            "nats/token",
+            "eval/loss",
+            "pure cross-entropy on the fixed held-out batches",
+            plot=True,
+            slot=6,
+        ),
+        MetricColumn("eval_ppl", "1", "eval/ppl", "exp(eval_loss)", slot=7),
+        MetricColumn(
+            "eval_bpb",
+            "bits/byte",
+            "eval/bpb",
+            "held-out bits per UTF-8 byte: summed CE / ln 2 / bytes of the scored text (nan: no text)",
+            slot=8,
+        ),
+    )
+    # data=mixture: each source's eval_loss/<source> and eval_bpb/<source> (not plotted: the sum's is)
+    FAMILIES = tuple(
+        dataclasses.replace(c, plot=False) for c in COLUMNS if c.name in ("eval_loss", "eval_bpb")
+    )
+    MEMBER = "source"
+
     def __init__(
         self,
         model: TRMoETransformer,
@@ -74,8 +102,15 @@ class HeldOutLoss:
         amp_dtype: torch.dtype | None,
     ):
         self.model, self.data, self.cfg, self.device, self.amp_dtype = model, data, cfg, device, amp_dtype
-        self.names = tuple(data.metric_columns)
         self.cadence = held_out_cadence(cfg.trainer)
+        sources = [family.member(name) for name in data.sources for family in self.FAMILIES]
+        self.declared = (*self.COLUMNS, *sources)
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.declared
+
+    def row(self, step: int, row) -> dict[str, float]:
+        return self.columns(step)
 
     def due(self, step: int) -> bool:
         return self.cadence.due(step)

@@ -19,6 +19,7 @@ import time
 import torch
 
 from trmoe.model.flops import datasheet_peak
+from trmoe.run.columns import MetricColumn
 
 log = logging.getLogger("trmoe")
 
@@ -100,11 +101,41 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class EfficiencyMeter:
-    """The `mfu` and `peak_mem_gib` columns of a metrics row, from its per-device tokens/s."""
+    """The `mfu` and `peak_mem_gib` columns of a metrics row (a producer, trmoe.run.columns), from the row's
+    tok_s over `world_size` devices."""
 
-    def __init__(self, device: torch.device, flops_per_token: int, peak: float, source: str):
+    COLUMNS = (
+        MetricColumn(
+            "mfu",
+            "1",
+            "throughput/mfu",
+            "model FLOPs utilisation of one device over the window (observe/meters.py: peak, FLOPs)",
+            slot=15,
+        ),
+        MetricColumn(
+            "peak_mem_gib",
+            "GiB",
+            "memory/peak_gib",
+            "peak memory so far: CUDA allocator peak, or the process's peak RSS on CPU",
+            slot=16,
+        ),
+    )
+
+    def __init__(
+        self, device: torch.device, flops_per_token: int, peak: float, source: str, world_size: int = 1
+    ):
         self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
-        log.info("MFU: %.3g FLOPs per token, peak %.4g TFLOP/s (%s)", flops_per_token, peak / 1e12, source)
+        self.source, self.world_size = source, world_size
+
+    def announce(self) -> None:
+        log.info("MFU: %.3g FLOPs per token, peak %.4g TFLOP/s (%s)", self.flops_per_token, self.peak / 1e12,
+                 self.source)  # fmt: skip
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def row(self, step: int, row) -> dict[str, float]:
+        return self.columns(row["tok_s"] / self.world_size)
 
     def columns(self, tok_s_per_device: float) -> dict[str, float]:
         return {

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trmoe.run.columns import MetricColumn
 from trmoe.runtime import distributed, env
 
 
@@ -83,6 +84,71 @@ class MetricsWindow:
         self.ce.fill_(own["ce"])
         self.objective.fill_(own["objective"])
         self.tokens, self.time = int(own["tokens"]), float(own["time"])
+
+
+def ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+class TrainingColumns:
+    """The first columns of every metrics row, a producer (trmoe.run.columns): the step, the tokens, the
+    window's losses and throughput, the last step's gradient norm (`grad_norm`, set by the step)."""
+
+    COLUMNS = (
+        MetricColumn("step", "step", "step", "the optimizer step the row is written after", slot=0),
+        MetricColumn("tokens", "tokens", "train/tokens", "training tokens so far, all ranks", slot=1),
+        MetricColumn(
+            "train_loss",
+            "nats/token",
+            "train/loss",
+            "pure cross-entropy, mean over the tokens of the steps since the last row",
+            plot=True,
+            slot=2,
+        ),
+        MetricColumn("train_ppl", "1", "train/ppl", "exp(train_loss)", slot=3),
+        MetricColumn(
+            "train_objective",
+            "nats/token",
+            "train/objective",
+            "what was optimised: smoothed CE + z-loss term (+ router losses, diversity penalty)",
+            slot=4,
+        ),
+        MetricColumn("grad_norm", "1", "optim/grad_norm", "global gradient norm before clipping", slot=12),
+        MetricColumn(
+            "tok_s",
+            "tokens/s",
+            "throughput/tok_s",
+            "training tokens per second over the logging window, evaluation time excluded",
+            plot=True,
+            slot=13,
+        ),
+        MetricColumn("elapsed_s", "s", "throughput/elapsed_s", "training time so far", slot=14),
+    )
+
+    def __init__(self, window: MetricsWindow, state, world_size: int):
+        self.window, self.state, self.world_size = window, state, world_size
+        self.grad_norm: torch.Tensor | None = None
+        self._means = (math.nan, math.nan)
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def sync(self) -> None:
+        """The window's host sync (and all-reduce), before the clock stops for the row."""
+        self._means = self.window.means()
+
+    def row(self, step: int, row) -> dict[str, Any]:
+        (train_ce, train_objective), window = self._means, self.window
+        return {
+            "step": step,
+            "tokens": self.state.tokens,
+            "train_loss": train_ce,
+            "train_ppl": ppl(train_ce),
+            "train_objective": train_objective,
+            "grad_norm": None if self.grad_norm is None else self.grad_norm.item(),
+            "tok_s": window.tokens * self.world_size / max(window.time, 1e-9),
+            "elapsed_s": self.state.train_time,
+        }
 
 
 class NullMetrics:

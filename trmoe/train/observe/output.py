@@ -13,6 +13,7 @@ from typing import Any
 from trmoe.config.schema import Config, LoggerConfig, Progress, TrainerConfig
 from trmoe.run import records
 from trmoe.run.cadence import Cadence
+from trmoe.run.columns import MetricColumn, header, sections
 from trmoe.run.launch import Launch
 from trmoe.run.rundir import RunDir
 from trmoe.train.observe import trackers
@@ -30,10 +31,11 @@ def log_cadence(t: TrainerConfig) -> Cadence:
 
 
 class RunOutput:
-    """`write(row, layers)` sends a metrics row to metrics.csv (`columns`), its telemetry rows (`layers`) to
-    telemetry.csv (when `telemetry_experts` is given), both to the trackers (`logger.*`) and, with `eta_s`,
-    the row to the progress display. A resumed run appends to its metrics.csv and continues its tracker runs
-    after the checkpoint's step; a restart (killed before its first checkpoint) logs again from step 0."""
+    """`write(row, layers)` sends a metrics row to metrics.csv (`columns`: the producers' declarations), its
+    telemetry rows (`layers`) to telemetry.csv (when `telemetry_experts` is given), both to the trackers
+    (`logger.*`, each column under its declared section) and, with `eta_s`, the row to the progress display.
+    A resumed run appends to its metrics.csv and continues its tracker runs after the checkpoint's step;
+    a restart (killed before its first checkpoint) logs again from step 0."""
 
     def __init__(
         self,
@@ -41,7 +43,7 @@ class RunOutput:
         launch: Launch,
         *,
         rank: int,
-        columns: tuple[str, ...],
+        columns: tuple[MetricColumn, ...],
         config_hash: str,
         config: dict[str, Any],
         telemetry_experts: int | None = None,
@@ -51,10 +53,11 @@ class RunOutput:
         self.metrics = (
             records.StepCsv(
                 run.metrics,
-                columns,
+                header(columns),
                 # a header alone (a resume that found no metrics.csv) gets this run's header
                 append=launch.mode == "resume" and launch.metrics_rows > 0,
                 rows=launch.metrics_rows,
+                migrate=True,  # an older header: to this run's columns, by name
             )
             if main
             else NullMetrics()
@@ -73,6 +76,7 @@ class RunOutput:
             identity=tracker_identity(run, config_hash),
             config=config,
             resume_step={"resume": launch.start_step, "restart": -1}.get(launch.mode),
+            sections=sections(columns),
         )
 
     def write(

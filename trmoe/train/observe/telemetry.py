@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trmoe.run.cadence import Cadence
+from trmoe.run.columns import MetricColumn
 from trmoe.runtime import env
 from trmoe.runtime.parallel import is_dtensor, shard_region
 
@@ -249,13 +250,68 @@ class TelemetryObserver:
     """Expert telemetry as an observer of the run: it counts the training forwards (`recording`), reads the
     gradient norms before clipping at the steps of its cadence (the log steps), and gives each metrics row
     its aggregate columns and the telemetry.csv rows of the same step (`collect`), which the run's one row
-    sink (RunOutput) writes. Its state is the open window (a checkpoint component, "telemetry")."""
+    sink (RunOutput) writes. Its state is the open window (a checkpoint component, "telemetry"). A metrics
+    producer (trmoe.run.columns): its columns are in every run's metrics.csv, nan when telemetry is off."""
+
+    COLUMNS = (
+        MetricColumn(
+            "expert_imbalance",
+            "1",
+            "moe/imbalance",
+            "telemetry.moe: max share / mean share of route slots, mean over layers",
+            slot=19,
+        ),
+        MetricColumn(
+            "expert_dead",
+            "experts",
+            "moe/dead",
+            "telemetry.moe: experts with no route slot in the window, summed over layers",
+            slot=20,
+        ),
+        MetricColumn(
+            "shared_rms",
+            "1",
+            "moe/shared_rms",
+            "telemetry.moe: RMS of the shared branch's output contribution, mean over layers",
+            slot=21,
+        ),
+        MetricColumn(
+            "routed_rms",
+            "1",
+            "moe/routed_rms",
+            "telemetry.moe: RMS of the routed branch's output contribution, mean over layers",
+            slot=22,
+        ),
+        MetricColumn(
+            "grad_norm_shared",
+            "1",
+            "optim/grad_norm_shared",
+            "telemetry.moe: grad norm of the shared experts (all layers), before clipping",
+            slot=23,
+        ),
+        MetricColumn(
+            "grad_norm_routed",
+            "1",
+            "optim/grad_norm_routed",
+            "telemetry.moe: grad norm of the routed experts (all layers), before clipping",
+            slot=24,
+        ),
+    )
 
     def __init__(self, model: torch.nn.Module, device: torch.device, cadence: Cadence, rank: int = 0):
         self.moe = MoETelemetry(model, device)
         self.num_experts = self.moe.num_experts
         self.cadence, self.rank = cadence, rank
         self._grad_sq: torch.Tensor | None = None
+        self.layers: list[dict[str, Any]] = []  # the telemetry.csv rows of the last `row`
+
+    def columns_declared(self) -> tuple[MetricColumn, ...]:
+        return self.COLUMNS
+
+    def row(self, step: int, row) -> dict[str, Any]:
+        """The aggregate metrics columns of the window (its telemetry.csv rows: `layers`)."""
+        aggregate, self.layers = self.collect(step)
+        return aggregate
 
     def recording(self):
         return self.moe.recording()

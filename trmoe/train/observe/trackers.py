@@ -2,9 +2,10 @@
 
 metrics.csv is always written and stays the source of truth; each chosen tracker gets the same scalars
 (every finite column of each metrics row at the row's step, named in sections as TensorBoard and W&B group
-them: `tracker_name`, e.g. train_loss -> train/loss, tok_s -> throughput/tok_s; docs/training.md has the
-table), the resolved config as hyper-parameters (plain values: `modulo_cyclic`, filterable) and the run's
-identity (run name, directory, trmoe version, config hash). Only rank 0 logs.
+them: each column's declared `section` (trmoe.run.columns), e.g. train_loss -> train/loss, tok_s ->
+throughput/tok_s; docs/training.md has the table), the resolved config as hyper-parameters (plain values:
+`modulo_cyclic`, filterable) and the run's identity (run name, directory, trmoe version, config hash).
+Only rank 0 logs.
 
 With telemetry.moe=true each logged step's telemetry.csv rows (one per layer) go along with its metrics row:
 every finite column as a scalar named moe/layer_<i>/<column>, and in TensorBoard each layer's expert shares
@@ -29,6 +30,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -64,49 +66,15 @@ def check_installed(cfg: LoggerConfig) -> None:
         _require(name)
 
 
-# metrics.csv column -> tracker scalar (section/name); a column "<base>/<x>" (eval_loss/<source>,
-# acc/<task>) is named after its base, then "/<x>"
-SECTIONS = {
-    "tokens": "train/tokens",
-    "train_loss": "train/loss",
-    "train_ppl": "train/ppl",
-    "train_objective": "train/objective",
-    "eval_train_loss": "eval/train_loss",
-    "eval_loss": "eval/loss",
-    "eval_ppl": "eval/ppl",
-    "eval_bpb": "eval/bpb",
-    "lr": "optim/lr",
-    "lr_expert": "optim/lr_expert",
-    "lr_shared": "optim/lr_shared",
-    "grad_norm": "optim/grad_norm",
-    "tok_s": "throughput/tok_s",
-    "elapsed_s": "throughput/elapsed_s",
-    "mfu": "throughput/mfu",
-    "peak_mem_gib": "memory/peak_gib",
-    "shared_gate": "moe/shared_gate",
-    "routed_gate": "moe/routed_gate",
-    "expert_imbalance": "moe/imbalance",
-    "expert_dead": "moe/dead",
-    "shared_rms": "moe/shared_rms",
-    "routed_rms": "moe/routed_rms",
-    "grad_norm_shared": "optim/grad_norm_shared",
-    "grad_norm_routed": "optim/grad_norm_routed",
-    "primary_weight": "moe/primary_weight",
-    "diversity_lambda": "moe/diversity_lambda",
-    "diversity": "moe/diversity",
-    "router_aux": "moe/router_aux",
-    "router_z": "moe/router_z",
-    "skipped_steps": "guard/skipped_steps",
-    "loss_spikes": "guard/loss_spikes",
-    "acc": "downstream/acc",
-    "acc_norm": "downstream/acc_norm",
-}
-
-
-def tracker_name(column: str) -> str:
-    """The tracker scalar of a metrics.csv column (SECTIONS; any other column under other/)."""
+def tracker_name(column: str, sections: Mapping[str, str]) -> str:
+    """The tracker scalar of a metrics.csv column: its declared section (`sections`: column -> name, from the
+    producers' declarations); a column "<base>/<x>" that is not declared is named after its base, then
+    "/<x>"; any other column is under other/ (a column an older header kept)."""
+    if column in sections:
+        return sections[column]
     base, slash, rest = column.partition("/")
-    return SECTIONS.get(base, f"other/{base}") + slash + rest
+    family = [s.rpartition("/")[0] for c, s in sections.items() if c.partition("/")[0] == base and "/" in c]
+    return (family[0] if family else sections.get(base, f"other/{base}")) + slash + rest
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -153,7 +121,9 @@ def _shares(row: dict[str, Any]) -> list[float]:
 
 
 class _TensorBoard:
-    def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, resume_step: int | None):
+    def __init__(
+        self, cfg, run_dir: Path, identity: dict, config: dict, resume_step: int | None, eval_loss: str
+    ):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
@@ -163,7 +133,7 @@ class _TensorBoard:
             str(self.dir), purge_step=None if resume_step is None else resume_step + 1
         )
         if resume_step is None:
-            exp, ssi, sei = hparams(flatten(config), {tracker_name("eval_loss"): math.nan})
+            exp, ssi, sei = hparams(flatten(config), {eval_loss: math.nan})
             for summary in (exp, ssi, sei):
                 self.writer.file_writer.add_summary(summary)
             self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in identity.items()))
@@ -185,7 +155,10 @@ class _TensorBoard:
 
 
 class _MLflow:
-    def __init__(self, cfg, run_dir: Path, identity: dict, config: dict, previous: dict | None):
+    def __init__(
+        self, cfg, run_dir: Path, identity: dict, config: dict, previous: dict | None, every_row: str
+    ):
+        """`every_row`: the scalar of a column every row has (its history gives the last step logged)."""
         from mlflow.tracking import MlflowClient
 
         uri = cfg.tracking_uri or (previous or {}).get("tracking_uri") or default_store(run_dir)
@@ -195,7 +168,7 @@ class _MLflow:
         self.last_step = -1
         if previous and previous.get("tracking_uri") == uri:
             self.run_id = previous["run_id"]
-            history = self.client.get_metric_history(self.run_id, tracker_name("tokens"))  # every row
+            history = self.client.get_metric_history(self.run_id, every_row)
             self.last_step = max((m.step for m in history), default=-1)
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -288,10 +261,12 @@ class Trackers:
         identity: dict[str, Any],
         config: dict[str, Any],
         resume_step: int | None,
+        sections: Mapping[str, str],
     ):
         """`resume_step`: None for a new run; else the step the run continues after (its checkpoint's, or
-        -1 for a run restarted from the beginning), whose tracker runs (trackers.json) go on."""
-        self.run_dir = run_dir
+        -1 for a run restarted from the beginning), whose tracker runs (trackers.json) go on. `sections`:
+        metrics.csv column -> tracker scalar (trmoe.run.columns.sections of the producers' declarations)."""
+        self.run_dir, self.sections = run_dir, dict(sections)
         self._trackers: dict[str, Any] = {}
         names = chosen(cfg)
         if not names:
@@ -301,9 +276,11 @@ class Trackers:
         previous = json.loads(path.read_text()) if resume_step is not None and path.is_file() else {}
         for name in names:
             if name == "tensorboard":
-                tracker = _TensorBoard(cfg.tensorboard, run_dir, identity, config, resume_step)
+                eval_loss = tracker_name("eval_loss", self.sections)
+                tracker = _TensorBoard(cfg.tensorboard, run_dir, identity, config, resume_step, eval_loss)
             elif name == "mlflow":
-                tracker = _MLflow(cfg.mlflow, run_dir, identity, config, previous.get("mlflow"))
+                tokens = tracker_name("tokens", self.sections)
+                tracker = _MLflow(cfg.mlflow, run_dir, identity, config, previous.get("mlflow"), tokens)
             else:
                 tracker = _Wandb(cfg.wandb, run_dir, identity, config, previous.get("wandb"))
             self._trackers[name] = tracker
@@ -320,7 +297,7 @@ class Trackers:
         a tracker that skips the steps it already holds skips both."""
         if not self._trackers:
             return
-        values = {tracker_name(k): v for k, v in scalars(row).items()}
+        values = {tracker_name(k, self.sections): v for k, v in scalars(row).items()}
         for tracker in self._trackers.values():
             tracker.log(values, int(row["step"]), layers or [])
         if "wandb" in self._trackers:
