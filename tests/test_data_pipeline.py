@@ -25,7 +25,7 @@ from trmoe.data.shards import BIN_NAME, INDEX_NAME
 from trmoe.data.tokenizer import EOS_ID, load_o200k
 from trmoe.errors import UserError
 from trmoe.train.loop import train
-from trmoe.train.trainer import columns_documented
+from trmoe.train.producers import columns_documented
 
 
 # hardware.threads=1: these runs are tiny, and a second intra-op thread only adds wake-ups on a busy machine.

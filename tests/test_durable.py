@@ -218,7 +218,7 @@ FORMER_COPIES = {
     "export/__init__.py": {"staged_dir"},
     "eval/__main__.py": {"write_file"},
     "convert/__init__.py": {"staged_dir", "write_file"},
-    "train/observe/trackers.py": {"write_file"},
+    "run/trackers.py": {"write_file"},
     "report/build.py": {"write_file"},
 }
 

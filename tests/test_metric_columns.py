@@ -12,10 +12,9 @@ import pytest
 from helpers import compose_config
 from presets import FAST_CPU
 
-from trmoe.run import columns
+from trmoe.run import columns, trackers
 from trmoe.run.columns import MetricColumn
-from trmoe.train.observe import trackers
-from trmoe.train.trainer import PRODUCERS, columns_documented
+from trmoe.train.producers import PRODUCERS, columns_documented
 
 ROOT = Path(__file__).resolve().parents[1]
 

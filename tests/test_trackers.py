@@ -20,9 +20,9 @@ from presets import TINY_RUN
 
 from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
+from trmoe.run import trackers
 from trmoe.run.columns import sections
-from trmoe.train.observe import trackers
-from trmoe.train.trainer import columns_documented
+from trmoe.train.producers import columns_documented
 
 SECTIONS = sections(columns_documented())  # metrics.csv column -> tracker scalar
 

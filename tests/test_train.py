@@ -16,7 +16,7 @@ from presets import TRAIN_FAST as FAST
 
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.train.loop import train
-from trmoe.train.trainer import columns_documented
+from trmoe.train.producers import columns_documented
 
 # random ids over 512: the runs whose property does not depend on the o200k vocabulary (a 13M-parameter
 # model, nearly all of it the embedding and the output layer) take the small one

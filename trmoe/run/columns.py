@@ -9,7 +9,7 @@ producers; everything else that knows a column reads it from there:
 - metrics.csv's header is `header(declared)`: columns that have a `slot` in slot order (the columns of
   earlier trmoe versions: their positions are frozen, for the tools that read the file by position), then
   the others in the order the producers declare them;
-- the trackers name each column's scalar by its `section` (trmoe.train.observe.trackers);
+- the trackers name each column's scalar by its `section` (trmoe.run.trackers);
 - run_config.json records the declarations (`metrics_declared`), and the report reads a run's units and
   the columns to plot from there (trmoe.report.runs), so a run is reported with the knowledge of the code
   that wrote it;

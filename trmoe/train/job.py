@@ -27,14 +27,13 @@ from trmoe.config.resolve import to_config
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
 from trmoe.data.build import build_data
-from trmoe.run import launch, records, signals, status, storage
+from trmoe.run import launch, records, signals, status, storage, trackers
 from trmoe.run import lock as runlock
 from trmoe.run.checkpoint import CheckpointStore, read_pointer
 from trmoe.run.identity import config_container, derived_values, training_view
 from trmoe.run.rundir import RunDir
 from trmoe.runtime import distributed, env, parallel
 from trmoe.train import init_from, preflight, run_record, sizing
-from trmoe.train.observe import trackers
 from trmoe.train.observe.downstream import Downstream
 from trmoe.train.prepare import check_backends
 from trmoe.train.trainer import Trainer

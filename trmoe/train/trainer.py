@@ -18,9 +18,8 @@ Components (attributes, each owning its state and, where it has one, its cadence
     efficiency                the mfu and peak_mem_gib columns (meters.EfficiencyMeter)
     profiler                  torch.profiler over a few steps (debug=profile)
 
-`producers` are the components that give a metrics row columns (trmoe.run.columns: each declares its
-columns and returns their values at a log step); metrics.csv's header, the trackers' names and the report's
-knowledge of the columns come from their declarations.
+`producers` give a metrics row its columns (trmoe.run.columns: each declares them, metrics.csv's header and
+the trackers' names come from the declarations, and returns their values at a log step).
 
 Building a Trainer writes nothing; entering it (a context manager) opens the run's files, the trackers and
 the profiler, and leaving it closes them (the trackers told the run's outcome), however the run ends.
@@ -71,19 +70,6 @@ from trmoe.train.state import RNG, Components, TrainState
 log = logging.getLogger("trmoe")
 
 STATE_VERSION = 1  # of a checkpoint's rank-local state (rank_XXXXX.pt)
-
-# the classes of `Trainer.producers`, for what lists their columns without a run (docs/training.md's table)
-PRODUCERS = (TrainingColumns, Scheduler, Objective, TelemetryObserver, meters.EfficiencyMeter,
-             guards.StepGuard, HeldOutLoss, Downstream)  # fmt: skip
-
-
-def columns_documented() -> tuple[columns.MetricColumn, ...]:
-    """Every built-in metrics column in metrics.csv's order, a per-run family by one member named for what
-    varies (`acc/<task>`)."""
-    return columns.declared(
-        columns.Declared((*p.COLUMNS, *(f.member(f"<{p.MEMBER}>") for f in getattr(p, "FAMILIES", ()))))
-        for p in PRODUCERS
-    )
 
 
 class Trainer:
@@ -247,7 +233,7 @@ class Trainer:
                 self.store.try_save(self.step, self._checkpoint)
         else:
             step, state = self.state.step, self.state
-            ev = self.evaluate(step)
+            ev = self._row(step, self.evaluators)  # step 0's held-out figures
             self.output.write({"step": step, "tokens": state.tokens, **ev, "elapsed_s": state.train_time})
             log.info("step %d | eval %.4f | eval_train %.4f", step, ev["eval_loss"], ev["eval_train_loss"])
             if rollback:
@@ -286,8 +272,7 @@ class Trainer:
             self.telemetry.before_clip(step)  # the gradient norms of a logged step
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        # FSDP: a DTensor norm, the same everywhere
-        self.training.grad_norm = grad_norm = parallel.full(grad_norm)
+        self.training.grad_norm = grad_norm = parallel.full(grad_norm)  # FSDP: a DTensor, the same everywhere
         verdict = self.guard.verdict(step, step_ce, step_obj, step_tokens, grad_norm, world)
         if verdict.action == guards.ROLLBACK:
             return verdict
@@ -302,13 +287,8 @@ class Trainer:
         self.profiler.step()
         return verdict
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """The columns of every evaluator due at `step`; a held-out loss becomes the run's last eval_loss."""
-        return self._row(step, self.evaluators)
-
     def _row(self, step: int, producers) -> dict[str, Any]:
-        """The columns of `producers` at `step`, merged in order; a held-out loss in them becomes the run's
-        last eval_loss."""
+        """The columns of `producers` at `step`, merged in order (a held-out loss: the run's eval_loss)."""
         row: dict[str, Any] = {}
         for producer in producers:
             row.update(producer.row(step, row))

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from trmoe.config.schema import Config, LoggerConfig, Progress, TrainerConfig
-from trmoe.run import records
+from trmoe.run import records, trackers
 from trmoe.run.cadence import Cadence
 from trmoe.run.columns import MetricColumn, header, sections
 from trmoe.run.launch import Launch
 from trmoe.run.rundir import RunDir
-from trmoe.train.observe import trackers
 from trmoe.train.observe.evaluation import held_out_cadence
 from trmoe.train.observe.metrics import NullMetrics
 from trmoe.train.observe.progress import ProgressReporter
