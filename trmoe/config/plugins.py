@@ -1,7 +1,7 @@
 """The plug-ins a run selects: which of its variants (optimizer, data sources, route tables) come from a
 user's installed distribution rather than from trmoe (trmoe/registry.py, docs/extending.md).
 
-Recorded as `derived.plugins` in run_config.json and every checkpoint's meta (axis -> name -> distribution,
+Recorded as `derived.plugins` in run_config.json and every checkpoint's meta (section -> name -> distribution,
 version, entry point), so the training view compares them: a resume refuses when a selected plug-in's
 distribution or version changed (a plug-in's code is part of what is trained), unless
 `trainer.force_resume=true`. Its entry point may move (volatile). A run that selects no plug-in records
@@ -12,21 +12,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.config.schema import Config
 from trmoe.config.validate import layer_strategies
+from trmoe.data.variant import SOURCES
 from trmoe.model.routing import STRATEGY_REGISTRY
 from trmoe.registry import Registry
 
 
 def _selected(cfg: Config) -> list[tuple[Registry, str]]:
-    return [(STRATEGY_REGISTRY, name) for name in sorted(set(layer_strategies(cfg)))]
+    """Every (registry, variant) the run uses: its optimizer, its data source and a mixture's parts, and
+    every layer's routing strategy."""
+    sources = {cfg.data.source.value, *(s.source.value for s in cfg.data.sources.values())}
+    return [
+        (OPTIMIZERS, cfg.optimizer.name.value),
+        *((SOURCES, name) for name in sorted(sources)),
+        *((STRATEGY_REGISTRY, name) for name in sorted(set(layer_strategies(cfg)))),
+    ]
 
 
 def selected_plugins(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
-    """axis -> variant name -> its origin's record, for every selected variant that is a plug-in."""
+    """section (optimizer, data, routing) -> variant name -> its origin's record, for every selected variant
+    that is a plug-in."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for registry, name in _selected(cfg):
         origin = registry.origin(name)
         if origin.plugin:
-            out.setdefault(registry.axis, {})[name] = origin.record()
+            # keyed by the config section (routing, not routing.strategy: a record's keys hold no dots)
+            out.setdefault(registry.axis.split(".")[0], {})[name] = origin.record()
     return out

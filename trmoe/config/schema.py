@@ -41,7 +41,10 @@ class AttentionKind(str, Enum):
 
 # routing.strategy's values are the strategy registry's names (trmoe/model/routing.py REGISTRY, which
 # docs/routing.md tabulates): one list
-RoutingStrategy = Enum("RoutingStrategy", {name: name for name in ALL_STRATEGIES}, type=str)
+# (a broken plug-in's name too: selecting it is answered with its one line, trmoe.config.validate)
+RoutingStrategy = Enum(
+    "RoutingStrategy", {name: name for name in (*ALL_STRATEGIES, *STRATEGY_REGISTRY.broken)}, type=str
+)
 
 
 class ModelInit(str, Enum):
@@ -58,7 +61,7 @@ class Parametrization(str, Enum):
 
 # data.source's values are the data sources' registry's names (trmoe/data/sources/, plug-ins of the
 # trmoe.data_sources group; trmoe.data.variant): one list, as routing.strategy's
-DataSource = Enum("DataSource", {name: name for name in SOURCES.names()}, type=str)
+DataSource = Enum("DataSource", {name: name for name in (*SOURCES.names(), *SOURCES.broken)}, type=str)
 
 
 class MatchField(str, Enum):
@@ -653,7 +656,7 @@ def register() -> None:
         # at the top level, not in the group: a schema is no option of its group (`--help`, shell completion)
         cs.store(name=f"base_{group}", node=node)
     for group, (key, registry) in VARIANT_GROUPS.items():
-        for name in registry.names():
+        for name in (*registry.names(), *registry.broken):  # a broken plug-in: validation names its fault
             if not _has_preset(group, name):  # (a preset and a node of one name would merge as a schema)
                 defaults = [f"/base_{group}@_here_", "_self_"]
                 cs.store(group=group, name=name, node={"defaults": defaults, key: name})

@@ -36,6 +36,7 @@ from trmoe.model.routing import (
     MAX_HASH_COUNT,
     MAX_TUPLES,
     REGISTRY,
+    STRATEGY_REGISTRY,
     tuple_count,
 )
 
@@ -95,6 +96,7 @@ def validate(cfg: Config) -> None:
         cfg.loss,
         cfg.hardware,
     )
+    _selected_variants_load(cfg)
     _finite(cfg, "")
     if hw.peak_tflops is not None and hw.peak_tflops <= 0:
         _fail(
@@ -295,6 +297,17 @@ def _validate_downstream(cfg: Config) -> None:
     _positive(ds, "downstream", "batch_size")
     if ds.include_path is not None and not os.path.isdir(ds.include_path):
         _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
+
+
+def _selected_variants_load(cfg: Config) -> None:
+    """Every variant the config selects is usable: a broken plug-in (its module fails to import, its
+    declaration is of the wrong kind, its name or an option clashes) is one line naming it and its fault,
+    before anything reads its declaration. Plug-ins the config does not select are never reported."""
+    OPTIMIZERS.get(cfg.optimizer.name)
+    for source in (cfg.data.source, *(s.source for s in cfg.data.sources.values())):
+        SOURCES.get(source)
+    for strategy in (cfg.routing.strategy, *(entry.strategy for entry in cfg.routing.layers)):
+        STRATEGY_REGISTRY.get(strategy)
 
 
 def validate_eval_tool(tool) -> None:

@@ -108,6 +108,18 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1} -> {"a": {"b": 1}}: flatten's inverse for keys without dots of their own."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
 def config_container(raw_cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(raw_cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 

@@ -40,7 +40,15 @@ from trmoe.run.checkpoint import (
     read_pointer,
     resolve_checkpoint,
 )
-from trmoe.run.identity import ConfigDiff, compare, config_container, critical_hash, flatten, training_view
+from trmoe.run.identity import (
+    ConfigDiff,
+    compare,
+    config_container,
+    critical_hash,
+    flatten,
+    training_view,
+    unflatten,
+)
 from trmoe.run.rundir import RunDir
 
 log = logging.getLogger("trmoe")
@@ -136,11 +144,15 @@ class Launch:
         where = RunDir(self.checkpoint.path.parent.parent) if self.external else self.run
         return where.step_csvs()
 
+    def derived(self) -> dict[str, Any]:
+        """The derived values of the training view, nested as they were made (`plugins.<axis>.<name>`)."""
+        return unflatten({k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")})
+
     def identity(self, raw_cfg: DictConfig, data_info: dict) -> dict[str, Any]:
         """What every checkpoint's meta.json carries to be compared with a later launch."""
         return {
             "config": config_container(raw_cfg),
-            "derived": {k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")},
+            "derived": self.derived(),
             "data": data_info,
             "config_hash": critical_hash(self.view),
         }
@@ -169,7 +181,7 @@ class Launch:
             )
         return {
             "config_hash": critical_hash(self.view),
-            "derived": {k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")},
+            "derived": self.derived(),
             "force_resumed": any(entry.get("forced") for entry in history),
             "resumes": history,
         }
