@@ -102,3 +102,15 @@ def test_docs_table_is_generated_from_the_declarations():
     assert columns.table(columns_documented()) in text, (
         "docs/training.md: paste columns.table(columns_documented())"
     )
+
+
+def test_runs_before_the_declarations_are_reported_with_the_units_their_columns_have():
+    """The report's frozen table of the columns written before run_config.json recorded metrics_declared
+    (trmoe.report.runs.BEFORE_DECLARATIONS) agrees with the producers' declarations of those columns."""
+    from trmoe.report.runs import undeclared
+
+    before = {*FROZEN_HEADER.split(","), "acc", "acc_norm"}
+    for column in columns_documented():
+        if column.name.split("/")[0] in before:
+            old = undeclared(column.name)
+            assert (old.unit, old.plot) == (column.unit, column.plot), column.name

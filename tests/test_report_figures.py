@@ -1,5 +1,6 @@
 """The report's figures come from a complete row of the final step or are unknown with the reason
-(trmoe.report.runs, integrity, checks): fabricated run directories, no training."""
+(trmoe.report.runs, integrity, checks), and its plots of per-step columns from the run's declarations
+(run_config.json's metrics_declared): fabricated run directories, no training."""
 
 from __future__ import annotations
 
@@ -88,3 +89,48 @@ def test_runs_on_different_held_out_sets_are_not_paired(tmp_path):
     (pair,) = paired([control, arm], control, summaries)
     assert pair.n == 0
     assert any("held-out set of 4 windows, the control's 8" in e for e in pair.excluded)
+
+
+def _drawn_pixels(png: Path) -> int:
+    """Pixels of the first arm's colour (tab10's first) in a figure: 0 on a blank axis."""
+    import matplotlib.image
+    import numpy as np
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    return int((np.abs(pixels - np.array([0.122, 0.467, 0.706])).max(axis=-1) < 0.05).sum())
+
+
+def test_a_column_declared_plotted_gets_its_figure_with_no_report_change(tmp_path):
+    """A producer that declares a new per-step column with plot=True: its run's report draws it against
+    tokens (a PNG with data, inline in report.md); a run written before the declarations were recorded
+    (metrics_columns only) plots what the report plotted then."""
+    from trmoe.report.build import build_report
+    from trmoe.run.columns import MetricColumn
+
+    mine = MetricColumn("my_metric", "widgets", "train/my_metric", "widgets per step", plot=True)
+    rows = [f"{row},{0.5 * i}" for i, row in enumerate(ROWS)]
+    declared = [{"name": c} for c in HEADER.split(",")] + [mine.record()]
+    for name, record in (("new", {"metrics_declared": declared}), ("old", {})):
+        run_dir = _run(tmp_path / name / "r", rows)
+        (run_dir / "metrics.csv").write_text("\n".join([f"{HEADER},my_metric", *rows]) + "\n")
+        config = json.loads((run_dir / "run_config.json").read_text())
+        (run_dir / "run_config.json").write_text(json.dumps({**config, **record}))
+
+    rep = build_report([tmp_path / "new"], tmp_path / "new-report")
+    png = tmp_path / "new-report" / "plots" / "metric_my_metric.png"
+    assert png in rep.plots and "![metric_my_metric](plots/metric_my_metric.png)" in rep.markdown
+    assert _drawn_pixels(png) > 50  # the line, not a blank axis
+    assert load_runs([tmp_path / "new"])[0].declaration("my_metric").unit == "widgets"
+
+    old = build_report([tmp_path / "old"], tmp_path / "old-report")
+    assert not any("my_metric" in p.name for p in old.plots)
+    assert load_runs([tmp_path / "old"])[0].declaration("eval_loss").unit == "nats/token"
+
+
+def test_an_unreadable_declaration_record_is_a_note(tmp_path):
+    run_dir = _run(tmp_path / "r", ROWS)
+    config = json.loads((run_dir / "run_config.json").read_text())
+    (run_dir / "run_config.json").write_text(json.dumps({**config, "metrics_declared": ["tok_s"]}))
+    run = load_runs([run_dir])[0]
+    assert any("`metrics_declared` is not a list of declarations" in n for n in run.unreadable)
+    assert run.declaration("tok_s").unit == "tokens/s"  # as the code before the declarations wrote it

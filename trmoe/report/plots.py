@@ -1,5 +1,7 @@
 """PNG plots of a report (matplotlib, the optional `report` extra): loss vs tokens per run and overlaid,
-throughput, paired differences, and expert shares per layer when a run recorded telemetry."""
+throughput, paired differences, expert shares per layer when a run recorded telemetry, and one figure of each
+other column the runs' producers declare with `plot=True` (`plot_column`; units from the declarations too,
+trmoe.report.runs: a new per-step metric is plotted with no change here)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import re
 from pathlib import Path
 
 from trmoe.report.compare import Arm, Pair
-from trmoe.report.runs import Run
-from trmoe.report.summary import throughput_rows
+from trmoe.report.runs import Run, undeclared
+from trmoe.report.summary import is_accuracy, throughput_rows
+from trmoe.run.columns import MetricColumn
 from trmoe.run.rundir import RunDir
+
+DRAWN = ("train_loss", "eval_loss", "tok_s")  # the plotted columns with their own figure (and is_accuracy)
 
 
 def available() -> bool:
@@ -55,6 +60,34 @@ def _xy(run: Run, column: str) -> tuple[list[float], list[float]]:
     return [t for t, _ in rows], [v for _, v in rows]
 
 
+def declaration(runs: list[Run], column: str) -> MetricColumn:
+    """The column as the first run that wrote it declared it (runs of other versions may differ)."""
+    run = next((r for r in runs if r.has_column(column)), None)
+    return run.declaration(column) if run else undeclared(column)
+
+
+def _runs(arms: list[Arm]) -> list[Run]:
+    return [run for arm in arms for run in arm.runs]
+
+
+def plotted(runs: list[Run]) -> list[MetricColumn]:
+    """The columns declared `plot=True` that no figure of their own draws and some run logged, in first-seen
+    order."""
+    names = dict.fromkeys(c for r in runs for c in r.columns if r.declaration(c).plot and r.series(c))
+    return [declaration(runs, c) for c in names if c not in DRAWN and not is_accuracy(c)]
+
+
+def _per_arm(ax, arms: list[Arm], column: str, style: str) -> None:
+    """Every run's column against tokens, one colour per arm (seeds of an arm share it and its label)."""
+    colors = _colors(arms)
+    for arm in arms:
+        for i, run in enumerate(arm.runs):
+            x, y = _xy(run, column)
+            if x:
+                label = arm.label if i == 0 else None
+                ax.plot(x, y, style, color=colors[arm.label], label=label, markersize=3, linewidth=1)
+
+
 def plot_run(run: Run, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -63,7 +96,7 @@ def plot_run(run: Run, path: Path) -> None:
         if x:
             ax.plot(x, y, style, label=column.replace("_", " "), markersize=3)
     ax.set_xlabel("tokens")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(f"cross-entropy ({run.declaration('eval_loss').unit})")
     ax.set_title(run.name, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -73,20 +106,13 @@ def plot_run(run: Run, path: Path) -> None:
 def plot_overlay(arms: list[Arm], path: Path) -> None:
     """Train and held-out loss of every run, one colour per arm (seeds of an arm share it)."""
     plt = pyplot()
-    colors = _colors(arms)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, column, title in ((axes[0], "train_loss", "train loss"), (axes[1], "eval_loss", "held-out loss")):
-        for arm in arms:
-            for i, run in enumerate(arm.runs):
-                x, y = _xy(run, column)
-                if x:
-                    label = arm.label if i == 0 else None
-                    style = "-" if column == "train_loss" else "o-"
-                    ax.plot(x, y, style, color=colors[arm.label], label=label, markersize=3, linewidth=1)
+        _per_arm(ax, arms, column, "-" if column == "train_loss" else "o-")
         ax.set_title(title)
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("cross-entropy (nats/token)")
+    axes[0].set_ylabel(f"cross-entropy ({declaration(_runs(arms), 'eval_loss').unit})")
     handles, labels = axes[1].get_legend_handles_labels()
     if not handles:
         handles, labels = axes[0].get_legend_handles_labels()
@@ -108,7 +134,7 @@ def plot_throughput(arms: list[Arm], path: Path) -> None:
                 label = arm.label if i == 0 else None
                 ax.plot(steps, values, ".-", color=colors[arm.label], label=label, linewidth=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("tokens / s (logging window)")
+    ax.set_ylabel(f"{declaration(_runs(arms), 'tok_s').unit} (logging window)")
     ax.set_title("throughput (warm-up and evaluation rows left out)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -120,21 +146,29 @@ def plot_accuracy(arms: list[Arm], columns: list[str], path: Path) -> None:
     """Downstream accuracy (acc/<task>, acc_norm/<task>) against tokens, one panel per column, one colour
     per arm (seeds of an arm share it)."""
     plt = pyplot()
-    colors = _colors(arms)
     fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 4), squeeze=False)
     for ax, column in zip(axes[0], columns, strict=True):
-        for arm in arms:
-            for i, run in enumerate(arm.runs):
-                x, y = _xy(run, column)
-                if x:
-                    label = arm.label if i == 0 else None
-                    ax.plot(x, y, "o-", color=colors[arm.label], label=label, markersize=3, linewidth=1)
+        _per_arm(ax, arms, column, "o-")
         ax.set_title(f"{column} (higher is better)", fontsize=9)
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("accuracy")
+    axes[0][0].set_ylabel(declaration(_runs(arms), columns[0]).unit)
     if axes[0][0].get_legend_handles_labels()[0]:
         axes[0][0].legend(fontsize=7)
+    save(fig, path)
+
+
+def plot_column(arms: list[Arm], column: MetricColumn, path: Path) -> None:
+    """A declared column against tokens, one colour per arm: its meaning and unit as its producer declared."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    _per_arm(ax, arms, column.name, ".-")
+    ax.set_title(f"{column.meaning or column.name} ({column.unit}) vs tokens", fontsize=9)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel(f"{column.name} ({column.unit})")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     save(fig, path)
 
 
@@ -243,6 +277,10 @@ def write_plots(
             deltas = folder / f"paired_deltas_{_safe(column)}.png"
             plot_pairs(column_pairs, control, deltas, f"{column} minus control (higher is better)")
             written.append(deltas)
+    for column in plotted(_runs(arms)):
+        path = folder / f"metric_{_safe(column.name)}.png"
+        plot_column(arms, column, path)
+        written.append(path)
     for run in runs:
         if run.series("train_loss") or run.series("eval_loss"):
             path = folder / f"run_{_safe(run.name)}.png"

@@ -4,11 +4,21 @@ Everything is optional: a run that failed before training has only status.json; 
 name, and a column a run did not record reads as missing (the report shows n/a). A record that is there but
 cannot be read (not JSON, not an object where one belongs) reads as missing too, and the run carries a note
 that says so (Run.unreadable), which the report shows.
+
+What the report knows of a metrics column (its unit, whether it gets a figure, its meaning) is the run's own
+record of its producers' declarations, run_config.json's `metrics_declared` (trmoe.run.columns): a run is
+reported with the knowledge of the code that wrote it, and a column a new producer declares is reported with
+no change here (`Run.declaration`). Runs written before the declarations were recorded (only the names,
+`metrics_columns`) wrote the columns of BEFORE_DECLARATIONS: their units and plots are that frozen table, not
+today's declarations, which live in train/ (below which the report sits) and describe the code that reads, not
+the code that wrote; those versions never change, so neither does the table (tests/test_metric_columns.py
+checks it against the producers' declarations of the same columns).
 """
 
 from __future__ import annotations
 
 import csv
+import fnmatch
 import io
 import json
 import math
@@ -20,6 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trmoe.durable import nofollow
+from trmoe.run.columns import MetricColumn
 from trmoe.run.rundir import MARKERS as RUN_MARKERS
 from trmoe.run.rundir import RUN_CONFIG as RECORD_FILE
 from trmoe.run.rundir import RunDir
@@ -30,6 +41,23 @@ RECORD_OBJECTS = tuple("config model_spec params git backend data controls param
 SEED_KEY = "trainer.seed"
 # Overrides that never define an arm: where the run is written and how it is displayed.
 IGNORED_KEYS = ("run.name", "run.progress")
+# The columns trmoe wrote before runs recorded `metrics_declared`, by unit (a family `acc/<task>` by its
+# name `acc`; any other column is a plain number, unit "1"), and those the report plotted.
+BEFORE_DECLARATIONS = {
+    "step": "step", "tokens": "tokens", "nats/token": "train_loss train_objective eval_train_loss eval_loss",
+    "bits/byte": "eval_bpb", "tokens/s": "tok_s", "s": "elapsed_s", "GiB": "peak_mem_gib",
+    "experts": "expert_dead", "steps": "skipped_steps loss_spikes", "accuracy": "acc acc_norm",
+}  # fmt: skip
+PLOTTED_BEFORE_DECLARATIONS = ("train_loss", "eval_loss", "tok_s", "acc/*", "acc_norm/*")
+
+
+def undeclared(column: str) -> MetricColumn:
+    """A column of a run that recorded no declaration of it, as the code before the declarations wrote it."""
+    name = column.split("/", 1)[0]
+    unit = next((u for u, names in BEFORE_DECLARATIONS.items() if name in names.split()), "1")
+    section = f"other/{column}"
+    plot = any(fnmatch.fnmatchcase(column, p) for p in PLOTTED_BEFORE_DECLARATIONS)
+    return MetricColumn(column, unit, section, column, plot=plot)
 
 
 def _natural(path: Path) -> tuple:
@@ -140,6 +168,7 @@ class Run:
     status_inferred: bool = False
     unreadable: list[str] = field(default_factory=list)  # records there but not readable, one note each
     status_record: dict = field(default_factory=dict)  # status.json as written ({} when absent)
+    declared: dict[str, MetricColumn] = field(default_factory=dict)  # run_config.json's metrics_declared
 
     @property
     def config(self) -> dict:
@@ -179,6 +208,23 @@ class Run:
 
     def has_column(self, column: str) -> bool:
         return column in self.columns
+
+    def declaration(self, column: str) -> MetricColumn:
+        """The column as the run's producers declared it (unit, plot, meaning), else BEFORE_DECLARATIONS'."""
+        return self.declared.get(column) or undeclared(column)
+
+
+def _read_declared(record: dict, notes: list[str]) -> dict[str, MetricColumn]:
+    """run_config.json's `metrics_declared` by column name ({} when the run recorded none; a note when it is
+    there but not a list of declarations)."""
+    entries = record.get("metrics_declared")
+    if entries is None:
+        return {}
+    try:
+        return {c.name: c for c in map(MetricColumn.from_record, entries)}
+    except (TypeError, KeyError, AttributeError):
+        notes.append(f"{RECORD_FILE} unreadable in part: `metrics_declared` is not a list of declarations")
+        return {}
 
 
 def _read_metrics(path: Path, notes: list[str]) -> tuple[list[str], list[dict[str, float]]]:
@@ -310,6 +356,7 @@ def load_run(path: Path, root: Path, sweeps: dict[Path, Sweep]) -> Run:
         status_inferred=inferred,
         unreadable=notes,
         status_record=status_record,
+        declared=_read_declared(record, notes),
     )
 
 
