@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from trmoe.errors import RunFailed, UserError
+from trmoe.registry import field_comments
 
 
 def usable_cores() -> int:
@@ -68,24 +67,6 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
     except SystemExit as e:
         return exit_code(e.code)
     return code if isinstance(code, int) else 0
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: the comment after it in the dataclass's source}: a schema's keys are documented there once,
-    for docs/configuration.md and for the tools' --help."""
-    comments = {}
-    # a section a registry assembles (trmoe.registry.with_options: the common keys, then each variant's
-    # options) names the classes that declare its fields in __parts__; the first declaration's comment wins
-    for source in getattr(cls, "__parts__", (cls,)):
-        try:
-            lines = inspect.getsource(source).splitlines()
-        except (OSError, TypeError):  # no source to read (a class made at run time): no comments
-            continue
-        for line in lines:
-            match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
-            if match:
-                comments.setdefault(match.group(1), match.group(2) or "")
-    return comments
 
 
 def keys_help(cls: type) -> str:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
+import re
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -265,3 +267,38 @@ def _typed_fields(cls: type, namespace: dict[str, Any] | None = None) -> list[tu
     leaves `Field.type` a string)."""
     hints = typing.get_type_hints(cls, localns=namespace)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: the comment after it in the dataclass's source}: a schema's keys are documented there once,
+    for docs/configuration.md and for the tools' --help."""
+    comments = {}
+    # a section a registry assembles (trmoe.registry.with_options: the common keys, then each variant's
+    # options) names the classes that declare its fields in __parts__; the first declaration's comment wins
+    for source in getattr(cls, "__parts__", (cls,)):
+        try:
+            lines = inspect.getsource(source).splitlines()
+        except (OSError, TypeError):  # no source to read (a class made at run time): no comments
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.*))?$", line)
+            if match:
+                comments.setdefault(match.group(1), match.group(2) or "")
+    return comments
+
+
+def options_table(registry: Registry[Any], section: str) -> str:
+    """The options of trmoe's own variants as a markdown table (`<section>.<option>`, the variant, its
+    default and meaning): each axis's docs page holds it, generated (a test keeps the page in step)."""
+    rows = [f"| key | `{section}=` | default | meaning |", "|---|---|---|---|"]
+    for name, variant in registry.items():
+        options = getattr(variant, "options", None)
+        if options is None or registry.origin(name).plugin:
+            continue
+        comments = field_comments(options)
+        for f in dataclasses.fields(options):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            shown = "null" if default is None else f"`{getattr(default, 'value', default)}`"
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | `{name}` | {shown} | {meaning} |")
+    return "\n".join(rows) + "\n"

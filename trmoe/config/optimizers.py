@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trmoe.errors import UserError
-from trmoe.registry import Registry, check_options
+from trmoe.registry import Registry, check_options, options_table
 
 if TYPE_CHECKING:
     from trmoe.config.schema import Config, OptimizerConfig
@@ -73,7 +73,8 @@ OPTIMIZERS: Registry[OptimizerVariant] = Registry(
 
 
 def optimizer_table() -> str:
-    """The registry as the markdown table docs/optimizers.md holds (a test keeps the two equal)."""
+    """The registry as the markdown tables docs/optimizers.md holds, the optimizers and their options (a test
+    keeps the two equal)."""
     rows = [
         "| `optimizer=` | update | state per parameter | options |",
         "|---|---|---|---|",
@@ -83,4 +84,4 @@ def optimizer_table() -> str:
             continue
         options = ", ".join(f"`{f}`" for f in (v.options.__dataclass_fields__ if v.options else ())) or "-"
         rows.append(f"| `{name}` | {v.doc} | {v.state} | {options} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n\n" + options_table(OPTIMIZERS, "optimizer")

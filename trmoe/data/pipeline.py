@@ -54,11 +54,6 @@ class DataPipeline:
     fingerprint: str = ""  # identity of the data, checked when a data cursor is loaded
     sources: dict[str, DataPipeline] = field(default_factory=dict)  # data=mixture: each source's own data
 
-    @property
-    def metric_columns(self) -> list[str]:
-        """The metrics.csv columns beyond records.METRIC_COLUMNS: held-out loss and bpb of each source."""
-        return [f"eval_{kind}/{name}" for name in self.sources for kind in ("loss", "bpb")]
-
     def bpb(self, eval_loss: float) -> float:
         """Bits per UTF-8 byte of the held-out loss (NaN when the ids are not o200k text)."""
         return bits_per_byte(eval_loss, scored_tokens(self.eval_set), self.eval_bytes)

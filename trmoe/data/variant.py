@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trmoe.errors import UserError
-from trmoe.registry import Registry, check_options
+from trmoe.registry import Registry, check_options, options_table
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def all_mixture_keys() -> tuple[str, ...]:
 
 
 def source_table() -> str:
-    """docs/data.md's table of the single sources, from their declarations (a test keeps it in step)."""
+    """docs/data.md's tables of the single sources and of the sources' own options, from their declarations
+    (a test keeps it in step)."""
     rows = [
         "| option | what | train / held-out split | sample g of the training order |",
         "|---|---|---|---|",
@@ -99,4 +100,4 @@ def source_table() -> str:
     for name, v in SOURCES.items():
         if not v.composite and not SOURCES.origin(name).plugin:
             rows.append(f"| `{name}` | {v.doc} | {v.split} | {v.sample} |")
-    return "\n".join(rows)
+    return "\n".join(rows) + "\n\n" + options_table(SOURCES, "data")

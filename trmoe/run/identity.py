@@ -108,6 +108,12 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def derived_record(view: dict[str, Any]) -> dict[str, Any]:
+    """The derived values of a training view as run_config.json and meta.json keep them: nested as they
+    were made (`plugins.<section>.<name>.version`)."""
+    return unflatten({k[len("derived.") :]: v for k, v in view.items() if k.startswith("derived.")})
+
+
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     """{"a.b": 1} -> {"a": {"b": 1}}: flatten's inverse for keys without dots of their own."""
     out: dict[str, Any] = {}

@@ -45,9 +45,9 @@ from trmoe.run.identity import (
     compare,
     config_container,
     critical_hash,
+    derived_record,
     flatten,
     training_view,
-    unflatten,
 )
 from trmoe.run.rundir import RunDir
 
@@ -144,15 +144,11 @@ class Launch:
         where = RunDir(self.checkpoint.path.parent.parent) if self.external else self.run
         return where.step_csvs()
 
-    def derived(self) -> dict[str, Any]:
-        """The derived values of the training view, nested as they were made (`plugins.<axis>.<name>`)."""
-        return unflatten({k[len("derived.") :]: v for k, v in self.view.items() if k.startswith("derived.")})
-
     def identity(self, raw_cfg: DictConfig, data_info: dict) -> dict[str, Any]:
         """What every checkpoint's meta.json carries to be compared with a later launch."""
         return {
             "config": config_container(raw_cfg),
-            "derived": self.derived(),
+            "derived": derived_record(self.view),
             "data": data_info,
             "config_hash": critical_hash(self.view),
         }
@@ -181,7 +177,7 @@ class Launch:
             )
         return {
             "config_hash": critical_hash(self.view),
-            "derived": self.derived(),
+            "derived": derived_record(self.view),
             "force_resumed": any(entry.get("forced") for entry in history),
             "resumes": history,
         }

@@ -15,8 +15,8 @@ import types
 import typing
 from pathlib import Path
 
-from trmoe.cli import field_comments
 from trmoe.config import schema
+from trmoe.registry import field_comments
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -30,8 +30,19 @@ SECTIONS = [
         "One entry of `routing.layers`, a per-layer-range strategy (see docs/routing.md): "
         "`routing.layers=[{first: 0, last: 2, strategy: balanced_hash}]`.",
     ),
-    ("optimizer", schema.OptimizerConfig, "Optimizer, groups, LR schedule (see docs/optimizers.md)."),
-    ("data", schema.DataConfig, "Training and held-out data."),
+    (
+        "optimizer",
+        schema.OptimizerConfig,
+        "Optimizer, groups, LR schedule (see docs/optimizers.md). The keys every optimizer shares; each "
+        "optimizer's own options (`optimizer.muon_scope`, `optimizer.lion_beta1`, ...) are in "
+        "docs/optimizers.md's options table.",
+    ),
+    (
+        "data",
+        schema.DataConfig,
+        "Training and held-out data. The keys the sources share; each source's own options "
+        "(`data.text_path`, `data.hf_dataset`, ...) are in docs/data.md's options table.",
+    ),
     ("data.sources.<name>", schema.MixtureSourceConfig, "One source of `data=mixture` (see docs/data.md)."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),
     ("loss", schema.LossConfig, "Training objective."),
@@ -87,8 +98,16 @@ SECTIONS = [
 
 # The enums of a registry's names are not spelt out here: a new variant (a plug-in's too) changes no line of
 # this page; each registry's own table lists its variants.
-VARIANT_ENUMS = {schema.RoutingStrategy: "a registered strategy (docs/routing.md's table)"}
-VARIANT_OPTIONS = {"routing": "one per registered strategy (`routing=multi_hash`: docs/routing.md's table)"}
+VARIANT_ENUMS = {
+    schema.RoutingStrategy: "a registered strategy (docs/routing.md's table)",
+    schema.OptimizerName: "a registered optimizer (docs/optimizers.md's table)",
+    schema.DataSource: "a registered source (docs/data.md's table)",
+}
+VARIANT_OPTIONS = {
+    "routing": "one per registered strategy (`routing=multi_hash`: docs/routing.md's table)",
+    "optimizer": "one per registered optimizer (`optimizer=lion`: docs/optimizers.md's table)",
+    "data": "one per registered source (`data=jsonl`: docs/data.md's table)",
+}
 
 
 def _type_name(tp: object) -> str:
@@ -123,6 +142,18 @@ def _options(group: str) -> str:
     return "Options: " + ", ".join(f"`{group}={n}`" for n in names) + ".\n\n"
 
 
+# A section a registry assembles lists its common keys here; each variant's own options are in its axis's
+# page (generated from the registry), so a new variant changes no line of this one.
+VARIANT_PAGES = {"optimizer": "docs/optimizers.md", "data": "docs/data.md"}
+
+
+def _common_fields(cls: type, section: str) -> list[dataclasses.Field]:
+    if section not in VARIANT_PAGES:
+        return list(dataclasses.fields(cls))
+    common = {f.name for f in dataclasses.fields(cls.__parts__[0])}
+    return [f for f in dataclasses.fields(cls) if f.name in common]
+
+
 def render() -> str:
     out = [
         "# Configuration reference",
@@ -141,7 +172,7 @@ def render() -> str:
         comments = field_comments(cls)
         out += [f"## `{name}`", "", title, "", _options(name) + "| key | type | default | meaning |"]
         out.append("|---|---|---|---|")
-        for f in dataclasses.fields(cls):
+        for f in _common_fields(cls, name):
             meaning = comments.get(f.name, "").replace("|", "\\|")
             out.append(f"| `{name}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {meaning} |")
         out.append("")

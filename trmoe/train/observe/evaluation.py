@@ -58,7 +58,7 @@ def evaluate(model: TRMoETransformer, batches: list[Batch], cfg: Config, device,
 class HeldOutLoss:
     """The loss columns, at step 0, every trainer.eval_every steps and the last: held-out loss (and ppl, bits
     per byte) and the loss on a fixed stream of the training split; run_config.json["data"]["metric_streams"]
-    names each stream. A mixture adds each source's held-out loss and bpb (`data.metric_columns`); its
+    names each stream. A mixture adds each source's held-out loss and bpb (`eval_loss/<source>`...); its
     held-out set is theirs together, so the overall loss is their token-weighted mean (each batch is scored
     once)."""
 
