@@ -19,7 +19,7 @@ from trmoe.config import derived
 from trmoe.config.schema import Config, TrainerConfig
 from trmoe.data.corpus import Corpus
 from trmoe.data.evalsets import describe_streams, scored_bytes, scored_tokens
-from trmoe.data.pipeline import Batch, DataPipeline, PinnedSource, Source
+from trmoe.data.pipeline import DataPipeline, PinnedSource, Source
 from trmoe.data.sampler import WindowSampler, eval_batches
 from trmoe.data.tokenizer import TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
 from trmoe.data.variant import SOURCES
@@ -33,25 +33,30 @@ def digest(value: Any) -> str:
 def pipeline(
     t: TrainerConfig,
     train: Source,
-    eval_set: list[Batch],
+    held_out: Source,
     info: dict,
     *,
     fixed: Source,
-    eval_bytes: int | None,
-    train_stream: str,
-    eval_stream: str,
+    text: bool | None,
+    streams: tuple[str, str],
     identity: list,
 ) -> DataPipeline:
-    """What every builder returns: the training source, the held-out batches, the fixed batches of the
-    training split (`fixed`, for eval_train_loss), what each figure is computed on, and the data's identity
-    (checked when a data cursor is loaded)."""
+    """What every builder returns: the training source, the first batches of the held-out source (the same
+    at every evaluation) and of the training split (`fixed`, for eval_train_loss), what those two figures are
+    computed on (`streams`: training split, held out), and the data's identity (checked when a data cursor
+    is loaded). `text`: whether the ids are o200k text, so that the held-out bytes (bpb) are counted; the
+    info records the tokens and bytes scored, unless None (ids that are no text at all: nothing recorded)."""
+    eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
+    eval_bytes = scored_bytes(eval_set) if text else None
+    if text is not None:
+        info = {**info, "eval_tokens_scored": scored_tokens(eval_set), "eval_bytes_scored": eval_bytes}
     return DataPipeline(
         train,
         eval_set,
         info,
         eval_train_set=eval_batches(fixed, t.micro_batch, t.eval_batches),
         eval_bytes=eval_bytes,
-        streams=describe_streams(train_stream, eval_stream),
+        streams=describe_streams(*streams),
         fingerprint=digest(identity),
     )
 
@@ -96,8 +101,6 @@ def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
     )
     held_out = WindowSampler(corpus.eval.tokens, t.seq_len, "sequential", name=f"{corpus.name} eval")
     train_fixed = WindowSampler(corpus.train.tokens, t.seq_len, "sequential", name=f"{corpus.name} train")
-    eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
-    eval_bytes = scored_bytes(eval_set)
     info = {
         **corpus.info,
         "tokenizer": TOKENIZER_NAME,
@@ -105,21 +108,14 @@ def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
         "order": d.order.value,
         "train_windows": train.num_windows,
         "eval_windows": held_out.num_windows,
-        "eval_tokens_scored": scored_tokens(eval_set),
-        "eval_bytes_scored": eval_bytes,
         "eval_stream": "held-out documents (disjoint from training documents)",
     }
+    streams = (
+        f"the first windows of the {corpus.name} training split in document order (not held out)",
+        f"the first windows of the {corpus.name} held-out documents (disjoint from training documents)",
+    )
+    # the content, not the location: a text file may move between the attempts of a run
+    identity = [corpus.info["source"], corpus.info.get("documents_sha256"), corpus.info["split"]]
     return pipeline(
-        t,
-        train,
-        eval_set,
-        info,
-        fixed=train_fixed,
-        eval_bytes=eval_bytes,
-        train_stream=f"the first windows of the {corpus.name} training split in document order "
-        "(not held out)",
-        eval_stream=f"the first windows of the {corpus.name} held-out documents "
-        "(disjoint from training documents)",
-        # the content, not the location: a text file may move between the attempts of a run
-        identity=[corpus.info["source"], corpus.info.get("documents_sha256"), corpus.info["split"]],
+        t, train, held_out, info, fixed=train_fixed, text=True, streams=streams, identity=identity
     )

@@ -25,9 +25,8 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     from trmoe.config import derived
     from trmoe.data.build import check_one_batch, pipeline, require_o200k_vocab
     from trmoe.data.corpus import SPLIT_RULE
-    from trmoe.data.evalsets import scored_bytes, scored_tokens
     from trmoe.data.fineweb import HubSource, ParquetSource, StreamWindows, split_stream_tokens  # pyarrow
-    from trmoe.data.sampler import WindowSampler, eval_batches
+    from trmoe.data.sampler import WindowSampler
     from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, tokenizer_fingerprint
 
     d, t = cfg.data, cfg.trainer
@@ -54,8 +53,6 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     check_one_batch(max(0, (train_head.size - 1) // t.seq_len), cfg, f"{where} (training documents)")
     train_fixed = WindowSampler(train_head, t.seq_len, "sequential", name=f"{where} train")
     held_out = WindowSampler(held_out_tokens, t.seq_len, "sequential", name=f"{where} eval")
-    eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
-    eval_bytes = scored_bytes(eval_set)
     train = StreamWindows(source, t.seq_len, d.eval_fraction, d.split_seed, d.workers)
     info = {
         "source": "fineweb",
@@ -66,21 +63,14 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         "eos_id": EOS_ID,
         "order": "source order (files sorted by path, row groups, rows); wraps around at the end",
         "eval_documents_read": eval_docs,
-        "eval_tokens_scored": scored_tokens(eval_set),
-        "eval_bytes_scored": eval_bytes,
     }
+    streams = (
+        f"the first windows of the training documents of {where} (training samples 0.., not held out)",
+        f"the first windows of the held-out documents of {where} (content-hash rule, disjoint from training)",
+    )
+    identity = [source.fingerprint, d.eval_fraction, d.split_seed, d.text_field]
     return pipeline(
-        t,
-        train,
-        eval_set,
-        info,
-        fixed=train_fixed,
-        eval_bytes=eval_bytes,
-        train_stream=f"the first windows of the training documents of {where} "
-        "(training samples 0.., not held out)",
-        eval_stream=f"the first windows of the held-out documents of {where} "
-        "(content-hash rule, disjoint from training)",
-        identity=[source.fingerprint, d.eval_fraction, d.split_seed, d.text_field],
+        t, train, held_out, info, fixed=train_fixed, text=True, streams=streams, identity=identity
     )
 
 

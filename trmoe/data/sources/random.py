@@ -13,24 +13,19 @@ if TYPE_CHECKING:
 
 def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     from trmoe.data.build import pipeline
-    from trmoe.data.sampler import RandomTokens, eval_batches
+    from trmoe.data.sampler import RandomTokens
 
     t = cfg.trainer
     # Independent streams for train and eval: a different seed for each.
     train = RandomTokens(vocab_size, t.seq_len, seed=t.seed)
     held_out = RandomTokens(vocab_size, t.seq_len, seed=t.seed + 1_000_003)
     info = {"source": "random", "vocab_size": vocab_size, "train": "uniform ids", "eval": "uniform ids"}
-    return pipeline(
-        t,
-        train,
-        eval_batches(held_out, t.micro_batch, t.eval_batches),
-        info,
-        fixed=train,
-        eval_bytes=None,
-        train_stream="training samples 0.. of the random stream (the first steps' batches)",
-        eval_stream="an independent random stream (seed + 1000003); bpb is NaN: random ids encode no text",
-        identity=["random", vocab_size, t.seq_len, t.seed],
+    streams = (
+        "training samples 0.. of the random stream (the first steps' batches)",
+        "an independent random stream (seed + 1000003); bpb is NaN: random ids encode no text",
     )
+    identity = ["random", vocab_size, t.seq_len, t.seed]
+    return pipeline(t, train, held_out, info, fixed=train, text=None, streams=streams, identity=identity)
 
 
 VARIANT = DataSourceVariant(

@@ -98,9 +98,7 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     import logging
 
     from trmoe.data.build import check_one_batch, pipeline
-    from trmoe.data.evalsets import scored_bytes, scored_tokens
     from trmoe.data.pipeline import ShardWindows
-    from trmoe.data.sampler import eval_batches
     from trmoe.data.shards import INDEX_NAME, open_shard
     from trmoe.data.tokenizer import TOKENIZER_NAME
 
@@ -158,8 +156,6 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     check_one_batch(train.num_windows, cfg, name)
     held_out = ShardWindows(eval_tokens, t.seq_len, "sequential", 0, name=eval_name, vocab_size=vocab_size)
     train_fixed = ShardWindows(train_tokens, t.seq_len, "sequential", 0, name=name, vocab_size=vocab_size)
-    eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
-    eval_bytes = scored_bytes(eval_set) if is_text else None
     if not is_text:
         log.info(
             "data: tokenizer %r is not %s text: eval_bpb is NaN",
@@ -174,23 +170,14 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         "order": d.order.value,
         "train_windows": train.num_windows,
         "eval_windows": held_out.num_windows,
-        "eval_tokens_scored": scored_tokens(eval_set),
-        "eval_bytes_scored": eval_bytes,
     }
+    streams = (
+        f"the first windows of {name} in file order (training data, not held out)",
+        f"the first windows of {eval_name} (held-out documents)",
+    )
+    identity = [split["train"]["sha256"], split["eval"] and split["eval"]["sha256"], split.get("split_token")]
     return pipeline(
-        t,
-        train,
-        eval_set,
-        info,
-        fixed=train_fixed,
-        eval_bytes=eval_bytes,
-        train_stream=f"the first windows of {name} in file order (training data, not held out)",
-        eval_stream=f"the first windows of {eval_name} (held-out documents)",
-        identity=[
-            split["train"]["sha256"],
-            split["eval"] and split["eval"]["sha256"],
-            split.get("split_token"),
-        ],
+        t, train, held_out, info, fixed=train_fixed, text=is_text, streams=streams, identity=identity
     )
 
 
