@@ -307,10 +307,11 @@ def test_stosign_weight_decay_is_decoupled():
 # --- every optimizer -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_state_dict_resume_continues_exactly(name):
+def assert_resume_continues_exactly(*overrides: str):
+    """Two steps, a checkpoint, two more; a fresh model (other initial weights) and optimizer loaded from the
+    checkpoint take the same two steps to the same weights, bit for bit."""
     data = batches(4, rows=2, seq=8)
-    cfg, model = tiny(f"optimizer={name}")
+    cfg, model = tiny(*overrides)
     opt = build_optimizer(model, cfg.optimizer, CPU, seed=3)
     train_steps(model, opt, data[:2])
     buffer = io.BytesIO()
@@ -319,7 +320,7 @@ def test_state_dict_resume_continues_exactly(name):
 
     # other weights: all from the state; the noise seed is the run's (trainer.seed, which a resume keeps),
     # from the config as every hyper-parameter is, whatever the checkpoint format
-    cfg, fresh = tiny(f"optimizer={name}", seed=123)
+    cfg, fresh = tiny(*overrides, seed=123)
     fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU, seed=3)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=False)
@@ -328,6 +329,11 @@ def test_state_dict_resume_continues_exactly(name):
     train_steps(fresh, fresh_opt, data[2:], first_step=3)
     for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dict_resume_continues_exactly(name):
+    assert_resume_continues_exactly(f"optimizer={name}")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -576,23 +582,7 @@ def test_lion_options_reach_its_groups_and_resume_continues_exactly():
     apply_lr(opt, 0.5)
     assert GroupLRs(model, opt).row()["lr_expert"] == pytest.approx(1e-3)
 
-    data = batches(4, rows=2, seq=8)
-    cfg, model = tiny(*lion)
-    opt = build_optimizer(model, cfg.optimizer, CPU)
-    train_steps(model, opt, data[:2])
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    train_steps(model, opt, data[2:], first_step=3)
-    cfg, fresh = tiny(*lion, seed=123)
-    fresh_opt = build_optimizer(fresh, cfg.optimizer, CPU)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=False)
-    fresh.load_state_dict(state["model"])
-    fresh_opt.load_state_dict(state["optimizer"])
-    train_steps(fresh, fresh_opt, data[2:], first_step=3)
-    for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
-        assert torch.equal(a, b), key
+    assert_resume_continues_exactly(*lion)
 
 
 def test_lion_trains_in_the_train_app(tmp_path):
