@@ -36,19 +36,14 @@ def lion_class() -> type:
 
         @torch.no_grad()
         def step(self, closure=None):
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+            with torch.enable_grad():
+                loss = None if closure is None else closure()
             for group in self.param_groups:
                 lr, wd = group["lr"], group["weight_decay"]
                 beta1, beta2 = group["betas"]
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    g = p.grad
-                    state = self.state[p]
-                    if not state:
+                for p in [p for p in group["params"] if p.grad is not None]:
+                    g, state = p.grad, self.state[p]
+                    if "exp_avg" not in state:  # its one state, created at its first step
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     m = state["exp_avg"]
                     if wd:
