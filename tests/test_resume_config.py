@@ -74,6 +74,45 @@ def test_new_keys_are_training_critical_unless_listed_volatile():
     assert critical_hash(a) != critical_hash({**a, "model.a": 2})
 
 
+def test_an_option_added_later_is_no_difference_at_its_default():
+    """A record written before an option existed (lion's betas, data.jsonl_eval_path: issue 42) lacks its
+    key: at this trmoe's default it is no difference, set to anything else it is one (`<absent> -> value`);
+    a key this schema does not know stays critical (above)."""
+    old = {"optimizer.name": "adamw", "optimizer.lr": 1e-3}
+    new = {**old, "optimizer.lion_beta1": 0.9, "optimizer.lion_beta2": 0.99, "data.jsonl_eval_path": None}
+    assert compare(old, new).critical == {}
+    diff = compare(old, {**new, "optimizer.lion_beta1": 0.5})
+    assert diff.critical == {"optimizer.lion_beta1": ("<absent>", 0.5)}
+
+
+def test_a_checkpoint_written_before_an_option_existed_resumes(small_run, tmp_path):
+    """A run directory whose records predate options added since (their keys removed from meta.json and
+    run_config.json, as eb700b3 wrote them) resumes and extends with no critical difference."""
+    import shutil
+
+    from trmoe.run.checkpoint import seal_meta
+
+    added = {"optimizer": ("lion_beta1", "lion_beta2"), "data": ("jsonl_eval_path",)}
+
+    def predate(record: dict) -> dict:
+        for section, keys in added.items():
+            for key in keys:
+                del record["config"][section][key]
+        return record
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    for meta in (run_dir / "checkpoints").glob("step_*/meta.json"):
+        meta.write_text(seal_meta(predate(json.loads(meta.read_text()))))
+    rc_path = run_dir / "run_config.json"
+    rc_path.write_text(json.dumps(predate(json.loads(rc_path.read_text()))))
+    train_in_process(run_dir, *RESUME_SMALL, "trainer.steps=6", "optimizer.decay_steps=4")
+    rc = json.loads(rc_path.read_text())
+    assert rc["resumes"][-1]["forced"] == {} and rc["force_resumed"] is False
+    assert set(rc["resumes"][-1]["volatile_changes"]) == {"trainer.steps", "optimizer.decay_steps"}
+    assert load_checkpoint(run_dir)["step"] == 6
+
+
 def test_mismatch_exits_2_from_the_cli(small_run, tmp_path):
     run_dir = tmp_path / "runs" / "r"
     run_dir.parent.mkdir()

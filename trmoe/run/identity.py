@@ -2,7 +2,8 @@
 
 The stored config (in a checkpoint's meta.json, or run_config.json) and a launch's config are flattened to
 dotted keys and compared; a key is *volatile* (may change) only if it matches a pattern in VOLATILE_KEYS, so
-every other key, including keys added to the schema later, is *training-critical*. Derived values join the
+every other key, including keys added to the schema later, is *training-critical* (a key this trmoe added
+since a record was written counts there as its default: `_new_option_at_default`). Derived values join the
 comparison: the global batch in tokens and the effective precision are critical (micro_batch, grad_accum,
 world size and hardware may change as long as they are kept), and so is the data identity (`data_info.*`,
 from the data pipeline's record). The launch decision (trmoe.run.launch) acts on the differences.
@@ -11,6 +12,7 @@ from the data pipeline's record). The launch decision (trmoe.run.launch) acts on
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.derived import eval_windows, global_batch_tokens
 from trmoe.config.plugins import selected_plugins
-from trmoe.config.schema import AttentionKind, Config
+from trmoe.config.schema import GROUPS, AttentionKind, Config
 
 ABSENT = "<absent>"
 
@@ -87,6 +89,25 @@ ADDED_KEYS = ("data_info.*sample_sha256",)
 
 def _added_later(key: str, old: Any) -> bool:
     return old == ABSENT and any(fnmatch.fnmatchcase(key, pattern) for pattern in ADDED_KEYS)
+
+
+@functools.cache
+def schema_defaults() -> dict[str, Any]:
+    """Every config key of this trmoe's schema with its default (dotted keys, enums as their names): the
+    groups' classes (built-in and plug-in options included) and the top-level sections."""
+    container = OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True)
+    for name, cls in GROUPS.items():
+        container[name] = OmegaConf.to_container(OmegaConf.structured(cls), enum_to_str=True)
+    return flatten(container)
+
+
+def _new_option_at_default(key: str, old: Any, new: Any) -> bool:
+    """A config key an older trmoe did not have (a new optimizer's or data source's option, an installed
+    plug-in's): absent from the stored record and at its default now, it is no difference, since an option
+    added later defaults to the behaviour from before it (lion's betas on an adamw run, data.jsonl_eval_path
+    on a text run). Set to anything else, it is compared as usual (`<absent> -> value`)."""
+    defaults = schema_defaults()
+    return old == ABSENT and key in defaults and defaults[key] == new
 
 
 def is_volatile(key: str) -> bool:
@@ -208,6 +229,6 @@ def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None 
         if data_only is not None and key.startswith("data_info.") != data_only:
             continue
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
-        if a != b and not _added_later(key, a):
+        if a != b and not _added_later(key, a) and not _new_option_at_default(key, a, b):
             (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
     return diff
