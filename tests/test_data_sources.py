@@ -35,14 +35,23 @@ def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
     return path
 
 
-def test_jsonl_trains_three_steps(tmp_path):
+def test_jsonl_trains_three_steps_and_resumes_from_moved_files(tmp_path):
     data = _jsonl(tmp_path / "docs.jsonl", DOCS)
-    out = cli(["data.source=jsonl", f"data.path={data}", *RUN, "run.name=j"], tmp_path)
+    out = cli(["data=jsonl", f"data.path={data}", *RUN, "optimizer.decay_steps=5", "run.name=j"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "runs" / "j" / "metrics.csv").open()))
     assert rows[-1]["step"] == "3" and float(rows[-1]["train_loss"]) > 0
     record = json.loads((tmp_path / "runs" / "j" / "run_config.json").read_text())
-    assert record["data"]["source"] == "jsonl" and record["data"]["files"][0]["path"] == str(data)
+    assert record["data"]["source"] == "jsonl" and record["data"]["files"]["paths"] == [str(data)]
+    # the files' place may change between attempts, their content (the sha256s) may not
+    moved = data.rename(tmp_path / "moved.jsonl")
+    again = [f"data.path={moved}", *RUN, "trainer.steps=5", "optimizer.decay_steps=5", "run.name=j"]
+    out = cli(["data=jsonl", *again], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed at step 3" in (tmp_path / "runs" / "j" / "train.log").read_text()
+    _jsonl(moved, DOCS[:-1])  # other content at the same place: refused
+    out = cli(["data=jsonl", *again, "trainer.steps=6"], tmp_path)
+    assert out.returncode == 2 and "data_info" in out.stderr, out.stderr[-3000:]
 
 
 def test_jsonl_holds_out_the_documents_data_text_holds_out(tmp_path):

@@ -83,6 +83,9 @@ def test_an_option_added_later_is_no_difference_at_its_default():
     assert compare(old, new).critical == {}
     diff = compare(old, {**new, "optimizer.lion_beta1": 0.5})
     assert diff.critical == {"optimizer.lion_beta1": ("<absent>", 0.5)}
+    # the reverse: an uninstalled plug-in's option, recorded while adamw trained, is no difference either
+    assert compare({**new, "optimizer.signum_momentum": 0.9}, new).critical == {}
+    assert compare({**new, "model.gone": 1}, new).critical == {"model.gone": (1, "<absent>")}
 
 
 def test_a_checkpoint_written_before_an_option_existed_resumes(small_run, tmp_path):

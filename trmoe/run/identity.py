@@ -59,6 +59,7 @@ VOLATILE_KEYS = (
     "data.text_path",  # where the file is; its content hash (data_info.sha256) is critical
     "data.path",  # where the token shards / Parquet files are; their content hashes (data_info) are critical
     "data.eval_path",
+    "data.jsonl_eval_path",
     "data.workers",  # reader parallelism
     "data.pin_memory",
     "data.verify",
@@ -108,6 +109,14 @@ def _new_option_at_default(key: str, old: Any, new: Any) -> bool:
     on a text run). Set to anything else, it is compared as usual (`<absent> -> value`)."""
     defaults = schema_defaults()
     return old == ABSENT and key in defaults and defaults[key] == new
+
+
+def _option_no_longer_known(key: str, old: Any, new: Any) -> bool:
+    """The reverse: a recorded optimizer.*/data.* key this schema does not have is an option of a variant no
+    longer installed (an uninstalled plug-in's, recorded while another variant was selected). A run that
+    selected that variant is refused by its name (no such optimizer or source), so the key alone is no
+    difference."""
+    return new == ABSENT and key.split(".")[0] in ("optimizer", "data") and key not in schema_defaults()
 
 
 def is_volatile(key: str) -> bool:
@@ -229,6 +238,12 @@ def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None 
         if data_only is not None and key.startswith("data_info.") != data_only:
             continue
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
-        if a != b and not _added_later(key, a) and not _new_option_at_default(key, a, b):
-            (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
+        if (
+            a == b
+            or _added_later(key, a)
+            or _new_option_at_default(key, a, b)
+            or _option_no_longer_known(key, a, b)
+        ):
+            continue
+        (diff.volatile if is_volatile(key) else diff.critical)[key] = (a, b)
     return diff

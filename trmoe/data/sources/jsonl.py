@@ -44,8 +44,9 @@ def jsonl_files(spec: str, key: str) -> list[Path]:
     return [path]
 
 
-def documents(spec: str, text_field: str, key: str) -> tuple[list[tuple[str, str]], list[dict]]:
-    """(key, text) of every document of `spec`'s files in path order, and each file's path and sha256."""
+def documents(spec: str, text_field: str, key: str) -> tuple[list[tuple[str, str]], dict]:
+    """(key, text) of every document of `spec`'s files in path order, and the files' paths and sha256s
+    (apart: a file's place may change between a run's attempts, its content may not)."""
     from trmoe.data.prepare import jsonl_documents
 
     docs: list[tuple[str, str]] = []
@@ -53,10 +54,10 @@ def documents(spec: str, text_field: str, key: str) -> tuple[list[tuple[str, str
     for path in jsonl_files(spec, key):
         for text, _ in jsonl_documents(path, text_field, "data.text_field"):
             docs.append((str(len(docs)), text))
-        files.append({"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+        files.append((str(path), hashlib.sha256(path.read_bytes()).hexdigest()))
     if not docs:
         raise UserError(f"{key}={spec}: holds no documents (no line with a non-empty {text_field!r})")
-    return docs, files
+    return docs, {"paths": [p for p, _ in files], "sha256": [h for _, h in files]}
 
 
 def load(d: Any) -> Corpus:
