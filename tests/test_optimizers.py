@@ -625,7 +625,7 @@ def test_the_planner_counts_lions_state(tmp_path):
     plan = json.loads(done.stdout)
     state = next(i for i in plan["memory"]["items"] if i["what"] == "optimizer state")
     total = plan["model"]["params"]["total"]
-    assert state["bytes"] == 4 * total and state["note"] == f"lion: 1 fp32 state (exp_avg) x {total:,}"
+    assert state["bytes"] == 4 * total and state["note"] == f"lion (exp_avg): 4 B x {total:,}"
 
 
 def test_the_registry_declares_every_optimizer():

@@ -45,13 +45,14 @@ class OptimizerVariant:
     # optimizer section; device the parameters' device; seed the run's trainer.seed (for any noise).
     # The result must offer param_groups, step, zero_grad, state_dict and load_state_dict.
     build: Callable[[list[dict], list[dict], OptimizerConfig, Any, int], Any]
-    # state_bytes(element-wise parameters, matrix-group parameters) -> (bytes of optimizer state, how
-    # counted): the planner's memory line (trmoe.plan.memory), e.g. (8 * n, "adamw: 2 fp32 states ...")
-    state_bytes: Callable[[int, int], tuple[int, str]]
+    # bytes of optimizer state per parameter of the element-wise groups, and per parameter of the matrix
+    # groups (with `matrix_groups`): the planner's memory line and the launch-time fits check
+    state_bytes: int
+    state: str  # that state in words, for the docs table and the planner ("exp_avg, exp_avg_sq")
     options: type | None = None  # a dataclass of its own options (each with a default), or None
     validate: Callable[[Config], None] = _no_rules  # its own rules, raising `fail(...)`'s one line
     matrix_groups: bool = False  # it wants the matrices of optimizer.muon_scope in groups of their own
-    state: str = ""  # docs table: its state per parameter, in words ("8 B: exp_avg, exp_avg_sq")
+    matrix_state_bytes: int = 0  # with matrix_groups: bytes of state per matrix-group parameter
     order: int = 100  # built-ins sort by this, then by name
 
 
@@ -61,9 +62,12 @@ def check_variant(variant: Any) -> None:
         raise TypeError(f"expected trmoe.config.optimizers.OptimizerVariant, got {type(variant).__name__}")
     if not variant.name.isidentifier():
         raise ValueError(f"name {variant.name!r} is not an identifier")
-    for attr in ("build", "state_bytes", "validate"):
+    for attr in ("build", "validate"):
         if not callable(getattr(variant, attr)):
             raise TypeError(f"{attr} is not callable")
+    for attr in ("state_bytes", "matrix_state_bytes"):
+        if not isinstance(getattr(variant, attr), int) or getattr(variant, attr) < 0:
+            raise TypeError(f"{attr} must be a whole number of bytes per parameter")
     check_options(variant.options)
 
 
@@ -83,5 +87,8 @@ def optimizer_table() -> str:
         if OPTIMIZERS.origin(name).plugin:
             continue
         options = ", ".join(f"`{f}`" for f in (v.options.__dataclass_fields__ if v.options else ())) or "-"
-        rows.append(f"| `{name}` | {v.doc} | {v.state} | {options} |")
+        state = f"{v.state_bytes} B: {v.state}"
+        if v.matrix_groups:
+            state = f"{v.matrix_state_bytes} B on the matrix groups, {v.state_bytes} B on the rest: {v.state}"
+        rows.append(f"| `{name}` | {v.doc} | {state} | {options} |")
     return "\n".join(rows) + "\n\n" + options_table(OPTIMIZERS, "optimizer")

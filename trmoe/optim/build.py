@@ -187,7 +187,11 @@ def optimizer_state_bytes(model: nn.Module, cfg: Config) -> tuple[int, str]:
     groups, matrix_groups = split_param_groups(model, cfg.optimizer, muon=variant.matrix_groups)
     elementwise = sum(p.numel() for g in groups for p in g["params"])
     matrices = sum(p.numel() for g in matrix_groups for p in g["params"])
-    return variant.state_bytes(elementwise, matrices)
+    parts = [f"{variant.state_bytes} B x {elementwise:,}"]
+    if matrices:
+        parts.insert(0, f"{variant.matrix_state_bytes} B x {matrices:,} (matrix groups)")
+    total = variant.state_bytes * elementwise + variant.matrix_state_bytes * matrices
+    return total, f"{variant.name} ({variant.state}): {' + '.join(parts)}"
 
 
 def optimizer_kind(optimizer, group: dict) -> str:

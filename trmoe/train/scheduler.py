@@ -16,40 +16,19 @@ from trmoe.run.columns import MetricColumn
 
 class Scheduler:
     COLUMNS = (
-        MetricColumn(
-            "lr",
-            "1",
-            "optim/lr",
-            "lr of the group holding the tied embedding (optimizer.lr x the schedule multiplier)",
-            slot=9,
-        ),
-        MetricColumn(
-            "lr_expert",
-            "1",
-            "optim/lr_expert",
-            "lr applied to the routed experts' matrices (Muon's under muon_tr)",
-            slot=10,
-        ),
-        MetricColumn(
-            "lr_shared", "1", "optim/lr_shared", "lr applied to the shared expert's matrices", slot=11
-        ),
+        MetricColumn("lr", "1", "optim/lr", slot=9, meaning=(
+            "lr of the group holding the tied embedding (optimizer.lr x the schedule multiplier)")),
+        MetricColumn("lr_expert", "1", "optim/lr_expert", slot=10, meaning=(
+            "lr applied to the routed experts' matrices (Muon's under muon_tr)")),
+        MetricColumn("lr_shared", "1", "optim/lr_shared", slot=11, meaning=(
+            "lr applied to the shared expert's matrices")),
         MetricColumn("shared_gate", "1", "moe/shared_gate", "shared branch gate, mean over layers", slot=17),
         MetricColumn("routed_gate", "1", "moe/routed_gate", "routed branch gate, mean over layers", slot=18),
-        MetricColumn(
-            "primary_weight",
-            "1",
-            "moe/primary_weight",
-            "top-k primary weight p at this step (nan when top_k = 1)",
-            slot=25,
-        ),
-        MetricColumn(
-            "diversity_lambda",
-            "1",
-            "moe/diversity_lambda",
-            "lambda of the expert-diversity penalty at this step (nan when off)",
-            slot=26,
-        ),
-    )
+        MetricColumn("primary_weight", "1", "moe/primary_weight", slot=25, meaning=(
+            "top-k primary weight p at this step (nan when top_k = 1)")),
+        MetricColumn("diversity_lambda", "1", "moe/diversity_lambda", slot=26, meaning=(
+            "lambda of the expert-diversity penalty at this step (nan when off)")),
+    )  # fmt: skip
 
     def __init__(self, schedules: Schedules, model: nn.Module, optimizer):
         self.schedules, self.model, self.optimizer = schedules, model, optimizer

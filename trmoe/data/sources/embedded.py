@@ -22,11 +22,7 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
 
 
 VARIANT = DataSourceVariant(
-    name="embedded",
-    build=build,
+    "embedded", build=build, mixture_keys=(), order=0,
     doc="CPython's help texts (`pydoc_data`), o200k-tokenized in memory",
-    mixture_keys=(),
-    split="document content hash",
-    sample="window of a seeded permutation (or sequential)",
-    order=0,
-)
+    split="document content hash", sample="window of a seeded permutation (or sequential)",
+)  # fmt: skip

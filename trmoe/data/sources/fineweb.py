@@ -94,17 +94,9 @@ def validate(d: Any, where: str = "data") -> None:
 
 
 VARIANT = DataSourceVariant(
-    name="fineweb",
-    example=("data.path=fineweb-edu/sample/10BT",),
-    build=build,
+    "fineweb", build=build, options=FinewebOptions, validate=validate, exclusive=("path",), order=4,
     doc="documents streamed from local Parquet files or the Hugging Face hub, tokenized on the fly",
-    options=FinewebOptions,
-    validate=validate,
-    mixture_keys=("path", "text_field", "order"),
-    inherit=("text_field",),
-    defaults={"order": "sequential"},
-    exclusive=("path",),
-    split="document content hash",
-    sample="window g of the training stream",
-    order=4,
-)
+    mixture_keys=("path", "text_field", "order"), inherit=("text_field",), defaults={"order": "sequential"},
+    split="document content hash", sample="window g of the training stream",
+    example=("data.path=fineweb-edu/sample/10BT",),
+)  # fmt: skip

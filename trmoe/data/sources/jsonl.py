@@ -110,15 +110,9 @@ def validate(d: Any, where: str = "data") -> None:
 
 
 VARIANT = DataSourceVariant(
-    name="jsonl",
-    example=("data.path=docs.jsonl",),
-    build=build,
+    "jsonl", build=build, options=JsonlOptions, validate=validate, exclusive=("path", "jsonl_eval_path"),
     doc="local JSON Lines files (`data.path`: a file, folder or glob), the text in `data.text_field`",
-    options=JsonlOptions,
-    validate=validate,
-    mixture_keys=("path", "text_field"),
-    inherit=("text_field",),
-    exclusive=("path", "jsonl_eval_path"),
+    mixture_keys=("path", "text_field"), inherit=("text_field",), example=("data.path=docs.jsonl",),
     split="document content hash (or `data.jsonl_eval_path`)",
     sample="window of a seeded permutation (or sequential)",
-)
+)  # fmt: skip

@@ -227,17 +227,8 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
 
 
 VARIANT = DataSourceVariant(
-    name="mixture",
-    example=(
-        "+data.sources={a: {source: embedded, weight: 1}, b: {source: text, text_path: t.txt, weight: 2}}",
-    ),
-    build=build,
+    "mixture", build=build, options=MixtureOptions, validate=validate, exclusive=("sources",), order=5,
     doc="a weighted blend of several of the above (`data.sources`), per-source evaluation",
-    options=MixtureOptions,
-    validate=validate,
-    exclusive=("sources",),
-    split="each source's own",
-    sample="per-step quotas of each source's own order",
-    composite=True,
-    order=5,
-)
+    split="each source's own", sample="per-step quotas of each source's own order", composite=True,
+    example=("+data.sources={a: {source: embedded, weight: 1}, b: {source: text, text_path: t, weight: 2}}",),
+)  # fmt: skip

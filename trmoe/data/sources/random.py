@@ -29,10 +29,6 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
 
 
 VARIANT = DataSourceVariant(
-    name="random",
-    build=build,
-    doc="uniform random ids (smoke tests; nothing to learn)",
-    split="independent seeds",
-    sample="a pure function of (seed, g)",
-    order=1,
-)
+    "random", build=build, order=1, doc="uniform random ids (smoke tests; nothing to learn)",
+    split="independent seeds", sample="a pure function of (seed, g)",
+)  # fmt: skip

@@ -45,15 +45,8 @@ def validate(d: Any, where: str = "data") -> None:
 
 
 VARIANT = DataSourceVariant(
-    name="text",
-    example=("data.text_path=corpus.txt",),
-    build=build,
+    "text", build=build, options=TextOptions, validate=validate, exclusive=("text_path",), order=2,
     doc="a local UTF-8 file, documents separated by blank lines or `data.separator`",
-    options=TextOptions,
-    validate=validate,
-    mixture_keys=("text_path", "separator"),
-    exclusive=("text_path",),
-    split="document content hash",
-    sample="window of a seeded permutation (or sequential)",
-    order=2,
-)
+    mixture_keys=("text_path", "separator"), example=("data.text_path=corpus.txt",),
+    split="document content hash", sample="window of a seeded permutation (or sequential)",
+)  # fmt: skip

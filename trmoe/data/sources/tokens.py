@@ -199,17 +199,9 @@ def counts(d: Any) -> Path | None:
 
 
 VARIANT = DataSourceVariant(
-    name="tokens",
-    example=("data.path=data/corpus",),
-    build=build,
+    "tokens", build=build, options=TokensOptions, validate=validate, counts=counts, order=3,
     doc="memory-mapped token shards written by `python -m trmoe.data.prepare`",
-    options=TokensOptions,
-    validate=validate,
-    mixture_keys=("path", "eval_path", "order"),
-    inherit=("order",),
-    exclusive=("path", "eval_path"),
-    split="separate shards (or held-out tail documents)",
+    mixture_keys=("path", "eval_path", "order"), inherit=("order",), exclusive=("path", "eval_path"),
+    split="separate shards (or held-out tail documents)", example=("data.path=data/corpus",),
     sample="window of a seeded permutation (or sequential)",
-    counts=counts,
-    order=3,
-)
+)  # fmt: skip

@@ -26,15 +26,7 @@ def _build(groups, matrix_groups, cfg, device, seed):
     return adamw(groups, cfg, device)
 
 
-def _state_bytes(elementwise: int, matrices: int) -> tuple[int, str]:
-    return 8 * elementwise, f"adamw: 2 fp32 states (exp_avg, exp_avg_sq) x {elementwise:,}"
-
-
 VARIANT = OptimizerVariant(
-    name="adamw",
+    "adamw", build=_build, state_bytes=8, state="exp_avg, exp_avg_sq", order=0,
     doc="AdamW (`beta1`, `beta2`, `eps`) on every group",
-    build=_build,
-    state_bytes=_state_bytes,
-    state="8 B: exp_avg, exp_avg_sq",
-    order=0,
-)
+)  # fmt: skip

@@ -66,17 +66,7 @@ def _validate(cfg) -> None:
             fail(name, value, "must be in [0, 1)")
 
 
-def _state_bytes(elementwise: int, matrices: int) -> tuple[int, str]:
-    return 4 * elementwise, f"lion: 1 fp32 state (exp_avg) x {elementwise:,}"
-
-
 VARIANT = OptimizerVariant(
-    name="lion",
+    "lion", build=_build, options=LionOptions, validate=_validate, state_bytes=4, state="exp_avg", order=3,
     doc="Lion (Chen et al. 2023): the sign of `lion_beta1` momentum + gradient; every coordinate moves by lr",
-    build=_build,
-    state_bytes=_state_bytes,
-    options=LionOptions,
-    validate=_validate,
-    state="4 B: exp_avg",
-    order=3,
-)
+)  # fmt: skip

@@ -56,20 +56,9 @@ def _validate(cfg) -> None:
         fail("muon_scope", "experts", "the model has no routed experts; allowed: experts_shared, all")
 
 
-def _state_bytes(elementwise: int, matrices: int) -> tuple[int, str]:
-    text = f"Muon momentum 4 B x {matrices:,} + AdamW 8 B x {elementwise:,}"
-    return 4 * matrices + 8 * elementwise, text
-
-
 VARIANT = OptimizerVariant(
-    name="muon_tr",
+    "muon_tr", build=_build, options=MuonOptions, validate=_validate, order=1, matrix_groups=True,
+    matrix_state_bytes=4, state_bytes=8, state="Muon: momentum; AdamW: exp_avg, exp_avg_sq",
     doc="Muon (orthogonalised momentum, per expert and per gate/up half) on the matrices of `muon_scope`, "
     "AdamW on the rest",
-    build=_build,
-    state_bytes=_state_bytes,
-    options=MuonOptions,
-    validate=_validate,
-    matrix_groups=True,
-    state="4 B on Muon (momentum), 8 B on AdamW",
-    order=1,
-)
+)  # fmt: skip

@@ -25,17 +25,8 @@ def _validate(cfg) -> None:
         fail("stosign_max_decay", o.stosign_max_decay, "must be in (0, 1]")
 
 
-def _state_bytes(elementwise: int, matrices: int) -> tuple[int, str]:
-    return 8 * elementwise, f"stosignsgd: 2 fp32 states (exp_avg, max_scale) x {elementwise:,}"
-
-
 VARIANT = OptimizerVariant(
-    name="stosignsgd",
+    "stosignsgd", build=_build, options=StoSignOptions, validate=_validate, order=2,
+    state_bytes=8, state="exp_avg, max_scale",
     doc="momentum (`beta1`), then an unbiased stochastic sign: every coordinate moves by lr",
-    build=_build,
-    state_bytes=_state_bytes,
-    options=StoSignOptions,
-    validate=_validate,
-    state="8 B: exp_avg, max_scale",
-    order=2,
-)
+)  # fmt: skip

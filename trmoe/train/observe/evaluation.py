@@ -63,30 +63,14 @@ class HeldOutLoss:
     once)."""
 
     COLUMNS = (
-        MetricColumn(
-            "eval_train_loss",
-            "nats/token",
-            "eval/train_loss",
-            "pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)",
-            slot=5,
-        ),
-        MetricColumn(
-            "eval_loss",
-            "nats/token",
-            "eval/loss",
-            "pure cross-entropy on the fixed held-out batches",
-            plot=True,
-            slot=6,
-        ),
+        MetricColumn("eval_train_loss", "nats/token", "eval/train_loss", slot=5, meaning=(
+            "pure cross-entropy on fixed batches of the TRAINING split (repeatable, not held out)")),
+        MetricColumn("eval_loss", "nats/token", "eval/loss", plot=True, slot=6, meaning=(
+            "pure cross-entropy on the fixed held-out batches")),
         MetricColumn("eval_ppl", "1", "eval/ppl", "exp(eval_loss)", slot=7),
-        MetricColumn(
-            "eval_bpb",
-            "bits/byte",
-            "eval/bpb",
-            "held-out bits per UTF-8 byte: summed CE / ln 2 / bytes of the scored text (nan: no text)",
-            slot=8,
-        ),
-    )
+        MetricColumn("eval_bpb", "bits/byte", "eval/bpb", slot=8, meaning=(
+            "held-out bits per UTF-8 byte: summed CE / ln 2 / bytes of the scored text (nan: no text)")),
+    )  # fmt: skip
     # data=mixture: each source's eval_loss/<source> and eval_bpb/<source> (not plotted: the sum's is)
     FAMILIES = tuple(
         dataclasses.replace(c, plot=False) for c in COLUMNS if c.name in ("eval_loss", "eval_bpb")

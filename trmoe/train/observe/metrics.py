@@ -97,33 +97,16 @@ class TrainingColumns:
     COLUMNS = (
         MetricColumn("step", "step", "step", "the optimizer step the row is written after", slot=0),
         MetricColumn("tokens", "tokens", "train/tokens", "training tokens so far, all ranks", slot=1),
-        MetricColumn(
-            "train_loss",
-            "nats/token",
-            "train/loss",
-            "pure cross-entropy, mean over the tokens of the steps since the last row",
-            plot=True,
-            slot=2,
-        ),
+        MetricColumn("train_loss", "nats/token", "train/loss", plot=True, slot=2, meaning=(
+            "pure cross-entropy, mean over the tokens of the steps since the last row")),
         MetricColumn("train_ppl", "1", "train/ppl", "exp(train_loss)", slot=3),
-        MetricColumn(
-            "train_objective",
-            "nats/token",
-            "train/objective",
-            "what was optimised: smoothed CE + z-loss term (+ router losses, diversity penalty)",
-            slot=4,
-        ),
+        MetricColumn("train_objective", "nats/token", "train/objective", slot=4, meaning=(
+            "what was optimised: smoothed CE + z-loss term (+ router losses, diversity penalty)")),
         MetricColumn("grad_norm", "1", "optim/grad_norm", "global gradient norm before clipping", slot=12),
-        MetricColumn(
-            "tok_s",
-            "tokens/s",
-            "throughput/tok_s",
-            "training tokens per second over the logging window, evaluation time excluded",
-            plot=True,
-            slot=13,
-        ),
+        MetricColumn("tok_s", "tokens/s", "throughput/tok_s", plot=True, slot=13, meaning=(
+            "training tokens per second over the logging window, evaluation time excluded")),
         MetricColumn("elapsed_s", "s", "throughput/elapsed_s", "training time so far", slot=14),
-    )
+    )  # fmt: skip
 
     def __init__(self, window: MetricsWindow, state, world_size: int):
         self.window, self.state, self.world_size = window, state, world_size

@@ -30,16 +30,12 @@ def _validate(cfg) -> None:
         fail("signum_momentum", cfg.optimizer.signum_momentum, "must be in [0, 1)")
 
 
-def _state_bytes(elementwise: int, matrices: int) -> tuple[int, str]:
-    return 4 * elementwise, f"demo_signum: 1 fp32 momentum x {elementwise:,}"
-
-
 VARIANT = OptimizerVariant(
-    name="demo_signum",
-    doc="Signum: the sign of a momentum (Bernstein et al. 2018)",
+    "demo_signum",
     build=_build,
-    state_bytes=_state_bytes,
     options=SignumOptions,
     validate=_validate,
-    state="4 B: momentum",
+    state_bytes=4,  # one fp32 momentum per parameter: the planner's memory line
+    state="momentum",
+    doc="Signum: the sign of a momentum (Bernstein et al. 2018)",
 )
