@@ -305,3 +305,31 @@ def test_a_run_under_the_compat_preset_logs_the_old_runners_lr_and_p(tmp_path):
     assert [float(x["primary_weight"]) for x in r] == pytest.approx([w["primary_weight"] for w in want])
     assert [float(x["routed_gate"]) for x in r] == pytest.approx([w["routed_gate"] for w in want])
     assert float(r[0]["lr"]) == 0.0
+
+
+def test_the_pages_overrides_for_the_runners_open_ended_run():
+    """--steps 0: LR warmup of 100 steps, then constant; p, gates and lambda at their final values from step 1
+    (the runner's schedules take T = 1). The page's row, with the preset, gives the same at every step."""
+    row = ["optimizer.schedule=constant", "optimizer.warmup_steps=100", "routing.primary_weight_ramp=0"]
+    row += ["model.gate_ramp=0", "loss.diversity_ramp=0"]
+    cfg = compose_config("data=random", "compat=old_runner", "trainer.steps=300", *row, *RUNNER_FLAGS)
+    s = build_schedules(to_config(cfg))
+    for step in range(1, 301):
+        want = _runner_values(step, 1) | {"lr_mult": min(1.0, (step - 1) / 100)}
+        assert s.at(step) == pytest.approx(want), step
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("optimizer.schedule_offset=-1", "optimizer.schedule_offset"),
+        ("optimizer.schedule_rounding=ceil", "ceil"),
+    ],
+)
+def test_a_bad_schedule_offset_or_rounding_is_one_line(tmp_path, override, named):
+    from helpers import cli
+
+    out = cli([*FAST, "trainer.steps=2", override], tmp_path)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
+    assert not (tmp_path / "runs").exists()
