@@ -295,3 +295,128 @@ def test_init_from_a_converted_checkpoint_starts_training(tmp_path):
     first = load_checkpoint(tmp_path / "runs" / "ft")
     assert first["step"] == 2 and all(torch.isfinite(v).all() for v in first["model"].values())
     assert tree_digest(run_dir) == before
+
+
+def _convert(tmp_path, ckpt: dict) -> subprocess.CompletedProcess:
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    return cli(
+        ["reference", str(tmp_path / "checkpoint.pt"), "--out", "runs/ref"], tmp_path, module="trmoe.convert"
+    )
+
+
+def test_overrides_carry_the_runs_own_p_target_past_the_compat_preset(tmp_path):
+    """A run saved halfway up its ramp toward 0.9: overrides.txt starts p where the run stood and keeps the
+    run's target and ramp share, also under compat=old_runner (whose 0.85 target it would otherwise get)."""
+    from trmoe.optim.schedule import build_schedules
+
+    ckpt = _reference_checkpoint(_trmoe_model())
+    ckpt["step"] = 30
+    ckpt["args"] |= {"steps": 100, "top_k_primary_weight_final": 0.9}
+    ckpt["args"]["top_k_primary_weight_schedule_ratio"] = 0.4
+    out = _convert(tmp_path, ckpt)
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "runs" / "ref"
+    p = 0.5 + 0.4 * (0.5 - 0.5 * math.cos(math.pi * 29 / 40))  # the runner's p at step 30 (R = 40)
+    record = json.loads((run_dir / "run_config.json").read_text())["converted_from"]
+    assert record["primary_weight_final"] == 0.9
+    overrides = (run_dir / "overrides.txt").read_text().split()
+    for preset in ([], ["compat=old_runner"]):
+        cfg = to_config(compose_config(*preset, *overrides, "data=random", "trainer.steps=50"))
+        ramp = build_schedules(cfg).primary_weight
+        assert (ramp.start, ramp.final, ramp.steps) == (pytest.approx(p), 0.9, 20), preset
+
+
+WRONG_TYPES = ([1], "x", True, float("nan"))  # a list, a string, a bool, a number that is not finite
+# keys the conversion does not read (num_key_value_heads lies, fact sheet 1.6; p comes from args, not from
+# the start value in config; only the presence of token_frequencies counts): any value converts
+UNREAD = {"config.num_key_value_heads", "config.token_frequencies", "config.top_k_primary_weight"}
+
+
+def _type_cases() -> list[tuple[str, str, object]]:
+    ckpt = _reference_checkpoint(_trmoe_model())
+    cases = []
+    for part in ("config", "args"):
+        for key, good in ckpt[part].items():
+            for wrong in WRONG_TYPES:
+                if type(wrong) is not type(good) or wrong != wrong:  # another type, or nan for a number
+                    cases.append((part, key, wrong))
+    return cases
+
+
+@pytest.mark.parametrize(("part", "key", "wrong"), _type_cases(), ids=lambda v: repr(v)[:24])
+def test_a_value_of_the_wrong_type_anywhere_in_config_or_args_is_one_line(tmp_path, part, key, wrong):
+    """Every key of the file's config and args, set to a value of another type: one line naming the key,
+    exit 2, nothing written — or, for a key the conversion never reads, a conversion as if it were not."""
+    ckpt = _reference_checkpoint(_trmoe_model())
+    ckpt[part][key] = wrong
+    out = _convert(tmp_path, ckpt)
+    assert "Traceback" not in out.stderr
+    if f"{part}.{key}" in UNREAD or (key == "profile" and wrong == "x"):
+        assert out.returncode == 0, out.stderr
+        return
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and f"{part}.{key}" in lines[0], out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+MODEL_FLAWS = {  # a wrong type among the tensors -> what the one line names
+    "a key that is not a string": (lambda m: m.update({7: torch.zeros(2)}), "7"),
+    "a list for a tensor": (lambda m: m.update({"norm.weight": [1.0]}), "norm.weight"),
+    "a sparse tensor": (lambda m: m.update({"norm.weight": m["norm.weight"].to_sparse()}), "norm.weight"),
+    "inv_freq of another length": (
+        lambda m: m.update({"layers.1.self_attn.rotary_emb.inv_freq": torch.ones(3)}),
+        "inv_freq",
+    ),
+    "inv_freq of integers": (
+        lambda m: m.update({"layers.0.self_attn.rotary_emb.inv_freq": torch.ones(H // HEADS // 2).long()}),
+        "inv_freq",
+    ),
+    "token_to_expert of floats": (
+        lambda m: m.update({"layers.0.mlp.token_to_expert": torch.zeros(V)}),
+        "token_to_expert",
+    ),
+    "a bool route table": (
+        lambda m: m.update({"layers.2.mlp.topk_token_to_expert": torch.zeros(2, V, dtype=torch.bool)}),
+        "topk_token_to_expert",
+    ),
+    "a bool hash channel scale": (
+        lambda m: m.update({"layers.0.mlp.hash_channel_scale": torch.zeros(H, dtype=torch.bool)}),
+        "hash_channel_scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("flaw", list(MODEL_FLAWS))
+def test_a_wrong_type_among_the_tensors_is_one_line(tmp_path, flaw):
+    ckpt = _reference_checkpoint(_trmoe_model())
+    breaks, named = MODEL_FLAWS[flaw]
+    breaks(ckpt["model"])
+    out = _convert(tmp_path, ckpt)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize("profile", ["100m o200k", "a\tb", "x=y", "a,b", ""])
+def test_a_profile_name_overrides_txt_cannot_hold_is_one_line(tmp_path, profile):
+    """args.profile names the model in overrides.txt (one shell word, one Hydra value): a blank, '=' or ','
+    would split or change the override; '' falls back to 'checkpoint' and converts."""
+    ckpt = _reference_checkpoint(_trmoe_model())
+    ckpt["args"]["profile"] = profile
+    out = _convert(tmp_path, ckpt)
+    if profile == "":
+        assert out.returncode == 0, out.stderr
+        overrides = (tmp_path / "runs" / "ref" / "overrides.txt").read_text().split()
+        assert "model.name=reference-checkpoint" in overrides
+        return
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "args.profile" in lines[0], out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_profile_name_with_dots_and_plus_composes(tmp_path):
+    ckpt = _reference_checkpoint(_trmoe_model())
+    ckpt["args"]["profile"] = "100m_o200k.v2+tr-b"
+    assert _convert(tmp_path, ckpt).returncode == 0
+    overrides = (tmp_path / "runs" / "ref" / "overrides.txt").read_text().split()
+    assert to_config(compose_config(*overrides)).model.name == "reference-100m_o200k.v2+tr-b"

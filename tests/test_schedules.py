@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from helpers import compose_config
 from presets import FAST_CPU
 
 from trmoe.config.resolve import to_config
-from trmoe.config.schema import DiversityTarget
+from trmoe.config.schema import DiversityTarget, ScheduleRounding
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.model.transformer import TRMoETransformer
@@ -203,3 +204,132 @@ def test_diversity_target_all_also_compares_the_gate_and_up_halves():
 def test_shared_gate_schedule():
     s = schedules("trainer.steps=10", "model.shared_gate_final=0.5", "model.gate_ramp=0", "model.gates=true")
     assert s.shared_gate(1) == 0.5 and s.routed_gate is None  # ramp 0: the final value from step 1
+
+
+# ------------------------------------------------------------------ the old runner's schedules (compat)
+# Its rules, written here from the fact sheet (4.8), not from its code: T = --steps, s the 1-based step.
+
+
+def runner_lr(s: int, steps: int) -> float:
+    """LambdaLR from 0, stepped after every optimizer step: step s runs at lambda(s - 1)."""
+    warmup = max(1, int(0.05 * steps))
+    x = s - 1
+    if x < warmup:
+        return x / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (x - warmup) / max(1, steps - warmup)))
+
+
+def runner_ramp(s: int, steps: int, ratio: float, start: float, final: float) -> float:
+    """p, the scheduled gates and lambda: a cosine over R = max(1, int(T * ratio)) steps; ratio <= 0 or
+    R <= 1 is the final value from step 1."""
+    ramp = max(1, int(steps * ratio))
+    if ratio <= 0 or ramp <= 1:
+        return final
+    return start + (final - start) * (0.5 - 0.5 * math.cos(math.pi * min(1.0, (s - 1) / ramp)))
+
+
+RUNNER_FLAGS = [  # a run with every schedule on: p 0.5 -> 0.9, both gates scheduled, lambda 0.02
+    "routing.primary_weight_final=0.9",
+    "model.gates=true",
+    "model.shared_gate_final=0.6",
+    "model.routed_gate_final=0.7",
+    "loss.diversity_weight=0.02",
+]
+
+
+def _runner_values(s: int, steps: int) -> dict[str, float]:
+    return {
+        "lr_mult": runner_lr(s, steps),
+        "primary_weight": runner_ramp(s, steps, 0.5, 0.5, 0.9),
+        "shared_gate": runner_ramp(s, steps, 0.5, 1.0, 0.6),
+        "routed_gate": runner_ramp(s, steps, 0.5, 0.1, 0.7),
+        "diversity": runner_ramp(s, steps, 0.7, 0.0, 0.02),
+    }
+
+
+def _mismatches(cfg, steps: int) -> set[str]:
+    s = build_schedules(replace(cfg, trainer=replace(cfg.trainer, steps=steps)))
+    out = set()
+    for step in range(1, steps + 1):
+        want, got = _runner_values(step, steps), s.at(step)
+        out |= {k for k in want if not math.isclose(got[k], want[k], rel_tol=1e-12, abs_tol=1e-15)}
+    return out
+
+
+@pytest.mark.parametrize("steps", [20, 23, 30])
+def test_the_compat_preset_gives_the_old_runners_lr_and_ramps_at_every_step(steps):
+    """compat=old_runner: LR, p, both gates and lambda equal the runner's rule at every step, at T = 20 and
+    at T where round and int part (23: the p and gate ramps 12 vs 11 steps; 30: the warmup 2 vs 1)."""
+    preset = to_config(
+        compose_config("data=random", "compat=old_runner", f"trainer.steps={steps}", *RUNNER_FLAGS)
+    )
+    assert _mismatches(preset, steps) == set()
+    s = build_schedules(preset)
+    assert s.lr(1) == 0.0 and s.lr(steps) > 0.1  # step 1 at LR 0; the last at lambda(T - 1), not the floor
+    # negative control: trmoe's own timing and rounding are not the runner's
+    own = to_config(
+        compose_config(
+            "data=random",
+            "compat=old_runner",
+            f"trainer.steps={steps}",
+            "optimizer.schedule_offset=0",
+            "optimizer.schedule_rounding=round",
+            *RUNNER_FLAGS,
+        )
+    )
+    assert "lr_mult" in _mismatches(own, steps)
+    if steps != 20:
+        o = replace(preset.optimizer, schedule_rounding=ScheduleRounding.round)
+        parted = {"lr_mult"} if steps == 30 else {"primary_weight", "shared_gate", "routed_gate"}
+        assert _mismatches(replace(preset, optimizer=o), steps) == parted
+
+
+def test_the_compat_preset_matches_the_runner_for_every_run_length_up_to_400():
+    preset = to_config(compose_config("data=random", "compat=old_runner", *RUNNER_FLAGS))
+    assert [t for t in range(1, 401) if _mismatches(preset, t)] == []
+
+
+def test_a_run_under_the_compat_preset_logs_the_old_runners_lr_and_p(tmp_path):
+    """The values reach the optimizer and the model: metrics.csv's lr and p at every step of a real run."""
+    steps = 23
+    train(
+        compose_config(
+            *FAST, "compat=old_runner", f"trainer.steps={steps}", "trainer.log_every=1", *RUNNER_FLAGS
+        ),
+        tmp_path / "run",
+    )
+    r = rows(tmp_path / "run")
+    assert [int(x["step"]) for x in r] == list(range(1, steps + 1))
+    want = [_runner_values(s, steps) for s in range(1, steps + 1)]
+    assert [float(x["lr"]) for x in r] == pytest.approx([3e-4 * w["lr_mult"] for w in want], rel=1e-6)
+    assert [float(x["primary_weight"]) for x in r] == pytest.approx([w["primary_weight"] for w in want])
+    assert [float(x["routed_gate"]) for x in r] == pytest.approx([w["routed_gate"] for w in want])
+    assert float(r[0]["lr"]) == 0.0
+
+
+def test_the_pages_overrides_for_the_runners_open_ended_run():
+    """--steps 0: LR warmup of 100 steps, then constant; p, gates and lambda at their final values from step 1
+    (the runner's schedules take T = 1). The page's row, with the preset, gives the same at every step."""
+    row = ["optimizer.schedule=constant", "optimizer.warmup_steps=100", "routing.primary_weight_ramp=0"]
+    row += ["model.gate_ramp=0", "loss.diversity_ramp=0"]
+    cfg = compose_config("data=random", "compat=old_runner", "trainer.steps=300", *row, *RUNNER_FLAGS)
+    s = build_schedules(to_config(cfg))
+    for step in range(1, 301):
+        want = _runner_values(step, 1) | {"lr_mult": min(1.0, (step - 1) / 100)}
+        assert s.at(step) == pytest.approx(want), step
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("optimizer.schedule_offset=-1", "optimizer.schedule_offset"),
+        ("optimizer.schedule_rounding=ceil", "ceil"),
+    ],
+)
+def test_a_bad_schedule_offset_or_rounding_is_one_line(tmp_path, override, named):
+    from helpers import cli
+
+    out = cli([*FAST, "trainer.steps=2", override], tmp_path)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stderr
+    assert not (tmp_path / "runs").exists()

@@ -126,6 +126,11 @@ class RampShape(str, Enum):
     cosine = "cosine"  # (1 - cos(pi x)) / 2
 
 
+class ScheduleRounding(str, Enum):
+    round = "round"  # nearest step; a ramp of 1 step still ramps
+    floor = "floor"  # the old runner's int(share x horizon); a ramp of <= 1 step is none (final from step 1)
+
+
 class DiversityTarget(str, Enum):
     w_out = "w_out"  # the experts' down projections w_out [I, H]
     all = "all"  # w_out and the gate and up halves of w_in, each its own matrix
@@ -314,6 +319,8 @@ class OptimizerCommon:
     warmup_steps: int | None = None  # linear warmup over these optimizer steps; None = 5% of the horizon
     min_lr_ratio: float = 0.1  # floor of cosine and wsd as a fraction of lr
     decay_steps: int | None = None  # schedule horizon (cosine/wsd reach the floor, ramps scale); None = steps
+    schedule_offset: int = 0  # step s runs at the LR curve's step s - this (1: the old runner's, LR 0 first)
+    schedule_rounding: ScheduleRounding = ScheduleRounding.round  # warmup/ramp steps of H: round | floor
     wsd_decay_fraction: float = 0.2  # wsd: share of the horizon spent decaying (its last steps)
     wsd_decay_shape: DecayShape = DecayShape.linear  # wsd: linear | cosine | sqrt decay to the floor
 

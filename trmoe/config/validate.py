@@ -520,6 +520,8 @@ def _validate_training_controls(cfg: Config) -> None:
         _fail("loss.diversity_weight", loss.diversity_weight, "needs at least 2 routed experts; allowed: 0")
     _fraction(loss.diversity_ramp, "loss.diversity_ramp")
 
+    if o.schedule_offset < 0:
+        _fail("optimizer.schedule_offset", o.schedule_offset, "must be >= 0 (1 = the old runner's LambdaLR)")
     if o.decay_steps is not None and o.decay_steps < 1:
         _fail("optimizer.decay_steps", o.decay_steps, "must be a positive integer, or null for trainer.steps")
     _fraction(o.wsd_decay_fraction, "optimizer.wsd_decay_fraction")

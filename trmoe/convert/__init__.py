@@ -8,7 +8,8 @@ What it writes into --out (which must not exist yet):
     a new run starts from its weights with `trainer.init_from=<out>` (docs/reliability.md);
   - run_config.json: the trmoe config composed from the checkpoint's recorded settings, its model spec and
     parameter counts, and `converted_from` (file, step, the reference's strategy name, p);
-  - overrides.txt: the command-line overrides that compose that config (`python -m trmoe.train $(cat ...)`).
+  - overrides.txt: the command-line overrides that compose that config (`python -m trmoe.train $(cat ...)`),
+    with the run's own p target and ramp share (so that compat=old_runner after them does not reset them).
 
 The weights are re-laid (q, k, v stacked into the fused qkv; gate and up concatenated; the shared expert's
 Linear weights transposed) and the route tables carried as they are: they are authoritative (none of trmoe's
@@ -20,8 +21,9 @@ A setting trmoe cannot express (learned hash pair gates, a non-zero hash channel
 FFN or attention type trmoe does not have, other fixed facts) is refused with one line naming it (exit 2), and
 so is a malformed file, before anything is written: a missing top-level key (`args` too: p is computed from
 it), a `step` that is not an integer >= 0, a model size in `config` that is not a positive integer (or heads
-that do not divide the hidden size), and any tensor missing, of the wrong shape or dtype, or left over (a
-config that disagrees with the tensors: more or fewer layers than `num_hidden_layers`).
+that do not divide the hidden size), any value the conversion reads of the wrong type (checks.py), a profile
+name overrides.txt cannot hold, and any tensor missing, of the wrong shape or dtype, or left over (a config
+that disagrees with the tensors: more or fewer layers than `num_hidden_layers`).
 """
 
 from __future__ import annotations
@@ -55,16 +57,21 @@ def _refuse(source: Path, setting: str, value: Any, why: str) -> UserError:
     return UserError(f"convert: {source}: {setting}={value!r} cannot be expressed in trmoe ({why})")
 
 
-def primary_weight(args: dict[str, Any], step: int, top_k: int) -> float:
-    """p of the runner's schedule at `step` (the last step the checkpoint trained): a cosine ramp from
-    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps, the
-    ratio clamped to <= 1 as the runner clamps it (a ramp never outlasts the run)."""
-    if top_k == 1:
-        return 1.0
+def p_schedule(args: dict[str, Any]) -> tuple[float, float, float]:
+    """The runner's p schedule flags: (start, final, ramp ratio), start and final clamped to [0, 1] and the
+    ratio to <= 1 as the runner clamps them (a ramp never outlasts the run)."""
     a = min(max(float(args.get("top_k_primary_weight", 0.5)), 0.0), 1.0)
     final = args.get("top_k_primary_weight_final")
     b = a if final is None else min(max(float(final), 0.0), 1.0)
-    ratio = min(float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0), 1.0)
+    return a, b, min(float(args.get("top_k_primary_weight_schedule_ratio", 0.0) or 0.0), 1.0)
+
+
+def primary_weight(args: dict[str, Any], step: int, top_k: int) -> float:
+    """p of the runner's schedule at `step` (the last step the checkpoint trained): a cosine ramp from
+    top_k_primary_weight to top_k_primary_weight_final over max(1, floor(max(1, steps) * ratio)) steps."""
+    if top_k == 1:
+        return 1.0
+    a, b, ratio = p_schedule(args)
     ramp = max(1, math.floor(max(1, int(args.get("steps", 1) or 1)) * ratio))
     if ratio <= 0 or ramp <= 1:
         return b
@@ -164,11 +171,21 @@ def _overrides(source: Path, ckpt: dict[str, Any]) -> tuple[list[str], dict[str,
         f"routing.top_k={top_k}",
         f"routing.primary_weight={p!r}",
     ]
+    p_final = None
+    if top_k > 1:
+        # the run's own p target and ramp share, so that a new run from these weights goes on toward them
+        # from p, with or without compat=old_runner (whose 0.85 and 0.5 these overrides replace)
+        _, p_final, ratio = p_schedule(args)
+        out += [
+            f"routing.primary_weight_final={p_final!r}",
+            f"routing.primary_weight_ramp={max(ratio, 0.0)!r}",
+        ]
     record = {
         "file": str(source),
         "step": step,
         "reference_strategy": strategy,
         "primary_weight": p,
+        "primary_weight_final": p_final,
         "note": note,
     }
     return out, record

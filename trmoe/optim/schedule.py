@@ -6,15 +6,21 @@ larger `trainer.steps`) would alter the part of the schedules that already ran.
 
 The horizon H of all schedules is `optimizer.decay_steps`, or `trainer.steps` when that is not set:
 
-    LR multiplier   warmup W (default 5% of H): s / W for s <= W, then
-                      cosine:   floor + (1 - floor) * (1 + cos(pi * x)) / 2,  x = (s - W) / (H - W)
+    LR multiplier   at step s the curve's value at c = s - optimizer.schedule_offset (0 by default; the
+                    old runner's LambdaLR is offset 1: step 1 at c = 0, LR 0, the last at c = H - 1):
+                    warmup W (default 5% of H): c / W for c <= W, then
+                      cosine:   floor + (1 - floor) * (1 + cos(pi * x)) / 2,  x = (c - W) / (H - W)
                       wsd:      1 until D = H - round(f * H),
-                                then floor + (1 - floor) * shape((s - D) / (H - D))
+                                then floor + (1 - floor) * shape((c - D) / (H - D))
                       constant: 1
-                    and the floor once s >= H (cosine, wsd).
+                    and the floor once c >= H (cosine, wsd).
     ramps           value(s) = start + (final - start) * shape(min(1, (s - 1) / R)),  R = round(ramp * H);
                     R = 0 means `final` from step 1. Used by the top-k primary weight p, the scheduled
                     gates and the diversity weight lambda. Each is off unless configured.
+
+`optimizer.schedule_rounding=floor` turns every "round" above (the default warmup, WSD's decay length, the
+ramps' R: steps made from a share of H) into the old runner's int(share * H), and a ramp of R <= 1 into
+none (R = 0).
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from trmoe.config.schema import Config, DecayShape, LRSchedule, OptimizerConfig, RampShape
+from trmoe.config.schema import (
+    Config,
+    DecayShape,
+    LRSchedule,
+    OptimizerConfig,
+    RampShape,
+    ScheduleRounding,
+)
 from trmoe.errors import UserError
 
 
@@ -45,10 +58,12 @@ class LRCurve:
     floor: float  # min_lr_ratio
     decay_start: int  # wsd: last step at the peak (the decay runs from here to the horizon)
     decay_shape: str  # wsd: linear | cosine | sqrt
+    offset: int = 0  # step s is the curve's step s - offset (before the field existed: 0)
 
     def __call__(self, step: int) -> float:
-        if step <= self.warmup:
-            return step / self.warmup  # so step 1 already moves
+        step = max(0, step - self.offset)  # offset 1: the first step at the curve's 0, LR 0 (the old runner)
+        if self.warmup > 0 and step <= self.warmup:
+            return step / self.warmup  # so step 1 already moves (offset 0)
         if self.kind == LRSchedule.constant.value:
             return 1.0
         if self.kind == LRSchedule.cosine.value:
@@ -88,10 +103,18 @@ def lr_curve(cfg: Config) -> LRCurve:
     return lr_curve_of(cfg.optimizer, cfg.trainer.steps)
 
 
+def steps_of(o: OptimizerConfig, share: float, h: int) -> int:
+    """The steps a share of the horizon h makes under optimizer.schedule_rounding: round, or the old
+    runner's int(share * h) (the same float product as its `steps * ratio`, so the same truncation)."""
+    if o.schedule_rounding == ScheduleRounding.floor:
+        return math.floor(share * h)
+    return round(share * h)
+
+
 def lr_curve_of(o: OptimizerConfig, total_steps: int) -> LRCurve:
     h = horizon(o, total_steps)
-    warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.05 * h))
-    decay_start = h - round(o.wsd_decay_fraction * h)
+    warmup = o.warmup_steps if o.warmup_steps is not None else max(1, steps_of(o, 0.05, h))
+    decay_start = h - steps_of(o, o.wsd_decay_fraction, h)
     return LRCurve(
         kind=o.schedule.value,
         warmup=max(warmup, 0),
@@ -99,13 +122,17 @@ def lr_curve_of(o: OptimizerConfig, total_steps: int) -> LRCurve:
         floor=o.min_lr_ratio,
         decay_start=max(decay_start, warmup),
         decay_shape=o.wsd_decay_shape.value,
+        offset=o.schedule_offset,
     )
 
 
 def _ramp(cfg: Config, start: float, final: float | None, fraction: float, shape: RampShape) -> Ramp | None:
     if final is None:
         return None
-    steps = round(fraction * horizon(cfg.optimizer, cfg.trainer.steps))
+    o = cfg.optimizer
+    steps = steps_of(o, fraction, horizon(o, cfg.trainer.steps))
+    if o.schedule_rounding == ScheduleRounding.floor and steps <= 1:
+        steps = 0  # the old runner: a ramp of <= 1 step is the final value from step 1
     return Ramp(start=float(start), final=float(final), steps=steps, shape=shape.value)
 
 
