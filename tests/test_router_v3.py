@@ -161,6 +161,19 @@ def test_learned_combine_gate_is_counted_and_matched_exactly():
     assert parameter_counts(matched).total == target
 
 
+def test_hf_export_refuses_a_learned_combine_and_writes_nothing(tmp_path):
+    """The exported model code weighs routes by p only: it refuses the gate instead of dropping it."""
+    from trmoe.errors import UserError
+    from trmoe.export import export
+    from trmoe.load import LoadedModel
+
+    spec = _spec("routing=balanced_hash", "routing.combine=learned")
+    loaded = LoadedModel(TRMoETransformer(spec), spec, 1, tmp_path / "ckpt", {}, torch.device("cpu"))
+    with pytest.raises(UserError, match="routing.combine=learned") as info:
+        export(loaded, tmp_path / "out")
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------------- the guard
 
 
