@@ -37,7 +37,7 @@ def test_forward_and_loss_terms_follow_their_formulas():
     ffn = _ffn()
     x = torch.randn(2, 13, H, dtype=torch.float64)
     y = ffn(x, torch.zeros(2, 13, dtype=torch.long))
-    aux, z = ffn.router_terms
+    aux, z = ffn.router_terms["aux"], ffn.router_terms["z"]
     flat = x.reshape(-1, H)
     logits = flat @ ffn.router.T
     probs = logits.softmax(-1)
@@ -62,7 +62,7 @@ def test_a_uniform_router_has_aux_1():
         ffn.router.zero_()
     with torch.no_grad():
         ffn(torch.randn(20, H, dtype=torch.float64), torch.zeros(20, dtype=torch.long))
-    assert ffn.router_terms[0].item() == pytest.approx(1.0, abs=1e-12)
+    assert ffn.router_terms["aux"].item() == pytest.approx(1.0, abs=1e-12)
 
 
 def test_gradients_match_finite_differences():
@@ -74,8 +74,7 @@ def test_gradients_match_finite_differences():
 
     def fn(x, *tensors):
         y = torch.func.functional_call(ffn, dict(zip(names, tensors, strict=True)), (x, ids))
-        aux, z = ffn.router_terms
-        return y, aux, z
+        return y, ffn.router_terms["aux"], ffn.router_terms["z"]
 
     assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-6, rtol=1e-5)
 

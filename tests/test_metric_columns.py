@@ -32,6 +32,7 @@ def test_the_builtin_header_is_the_frozen_one():
     fixed = [c.name for c in columns_documented() if "/" not in c.name]
     assert ",".join(fixed) == FROZEN_HEADER
     assert [c.name for c in columns_documented() if "/" in c.name] == [
+        "route_bias_spread/<layer>", "route_load_imbalance/<layer>",
         "eval_loss/<source>", "eval_bpb/<source>", "acc/<task>", "acc_norm/<task>",
     ]  # fmt: skip
 

@@ -36,6 +36,8 @@ def _model(*overrides: str) -> TRMoETransformer:
         ("routing=frozen_router",),  # a router on the layer's input: per token, so a cache changes nothing
         ("routing=rerandomised_router",),  # its last step's draw
         ("routing=hybrid_first_k",),  # a table in layer 0, a learned router above
+        ("routing=learned_v3",),  # sigmoid scores plus its (perturbed, non-zero) balancing bias
+        ("routing=balanced_hash", "routing.combine=learned"),  # the table's routes, a learned combine gate
     ],
 )
 def test_kv_cache_gives_the_full_forward_logits_at_every_position(overrides):

@@ -66,7 +66,7 @@ class Arm:
         self.backend = self.objective.loss_backend
         self.params = count_parameters(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
-        self.scheduler = Scheduler(schedules, self.model, self.optimizer)
+        self.scheduler = Scheduler(schedules, self.model, self.optimizer, cfg.routing.bias_update)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.data = build_data(cfg, self.spec.vocab_size)
         self.split: dict[str, list[float]] = {k: [] for k in PARTS}
@@ -100,6 +100,7 @@ class Arm:
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         torch.nn.utils.clip_grad_norm_(self.trainable, max_norm, foreach=True)
         self.optimizer.step()
+        self.scheduler.end_step()  # learned_v3's bias update: part of its step's cost
         self.optimizer.zero_grad(set_to_none=True)
         sync(device)
         marks.append(time.perf_counter())

@@ -131,6 +131,11 @@ class ScheduleRounding(str, Enum):
     floor = "floor"  # the old runner's int(share x horizon); a ramp of <= 1 step is none (final from step 1)
 
 
+class RouteCombine(str, Enum):
+    fixed = "fixed"  # w_0 = p, the others (1 - p) / (K - 1)
+    learned = "learned"  # DeepSeek-V4: sqrt(softplus) of a linear gate over the table's K experts, normalised
+
+
 class DiversityTarget(str, Enum):
     w_out = "w_out"  # the experts' down projections w_out [I, H]
     all = "all"  # w_out and the gate and up halves of w_in, each its own matrix
@@ -279,7 +284,8 @@ class LayerRoutingConfig:
 @dataclass
 class RoutingConfig:
     """How tokens pick their K routed experts: a fixed table per layer (token id -> experts), or a linear
-    router over the FFN input (strategy learned, frozen_router, rerandomised_router; docs/routing.md)."""
+    router over the FFN input (strategy learned, learned_v3, frozen_router, rerandomised_router;
+    docs/routing.md)."""
 
     strategy: RoutingStrategy = RoutingStrategy.modulo_cyclic  # a route-table construction, or a router
     top_k: int = 2  # K distinct experts per token
@@ -293,6 +299,9 @@ class RoutingConfig:
     embedding: str | None = None  # clustered/dispersed_hash: [V, H] token embedding file; others ignore it
     aux_weight: float = 0.01  # routers only: weight of the load-balancing loss (layer mean); 0 = off
     z_weight: float = 0.0  # routers only: weight of the router z-loss mean(logsumexp(logits)^2); 0 = off
+    combine: RouteCombine = RouteCombine.fixed  # fixed-route layers: weights by p, or DeepSeek-V4's gate
+    bias_update: float = 0.001  # learned_v3 only: gamma, the balancing bias's step per optimizer step
+    seq_aux_weight: float = 0.0  # learned_v3 only: weight of its sequence-wise balance loss; 0 = off
     layers: list[LayerRoutingConfig] = field(default_factory=list)  # per-layer ranges: routing.layers[] below
 
 

@@ -89,5 +89,6 @@ def model_spec(cfg: Config) -> ModelSpec:
         route_frequencies=_route_frequencies(cfg),
         route_embedding=_route_embedding(cfg),
         layer_strategies=layer_strategies(cfg) if cfg.routing.layers else (),
+        combine=r.combine.value,
         **mup_fields(cfg),
     )

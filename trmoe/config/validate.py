@@ -264,6 +264,13 @@ def _validate_mup(cfg: Config) -> None:
             f"routing.strategy={routers[0]} is not supported under mup (a router has no muP "
             "rule here); allowed: a fixed route-table strategy, or model.parametrization=sp",
         )
+    if cfg.routing.combine.value == "learned":
+        _fail(
+            "model.parametrization",
+            "mup",
+            "routing.combine=learned is not supported under mup (its gate has no muP rule here); allowed: "
+            "routing.combine=fixed, or model.parametrization=sp",
+        )
     if m.init != ModelInit.default:
         _fail(
             "model.parametrization",
@@ -446,10 +453,25 @@ def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
 def _validate_strategy(cfg: Config) -> None:
     """What the routing strategies of the layers need (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
-    for key in ("aux_weight", "z_weight"):
+    for key in ("aux_weight", "z_weight", "seq_aux_weight", "bias_update"):
         if getattr(r, key) < 0:
             _fail(f"routing.{key}", getattr(r, key), "must be >= 0 (0 = off)")
     names = list(dict.fromkeys(layer_strategies(cfg)))
+    if r.combine.value == "learned":
+        if all(REGISTRY[name].learned for name in names):
+            _fail(
+                "routing.combine",
+                "learned",
+                f"routing.strategy={names[0]} is a router (its combine weights are its own); allowed: "
+                "routing.combine=fixed, or a route-table strategy (in some layers: routing.layers)",
+            )
+        if m.routed_width == 0 or m.num_experts < 2 or r.top_k < 2:
+            _fail(
+                "routing.combine",
+                "learned",
+                "a learned combine needs model.num_experts >= 2, model.routed_width > 0 and "
+                "routing.top_k >= 2 (one route's normalised weight is 1); allowed: routing.combine=fixed",
+            )
     for name in names:
         entry = REGISTRY[name]
         if entry.learned and (m.routed_width == 0 or m.num_experts < 2):

@@ -230,6 +230,13 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
             f"--format hf: {loaded.checkpoint} routes with a router (routing.strategy={routers[0]}); the "
             "exported model code supports fixed route tables only; allowed: --format safetensors"
         )
+    if fmt == "hf" and loaded.spec.combine != "fixed":
+        # the exported model code weighs routes by p only: a gate it does not read would change the logits
+        raise UserError(
+            f"--format hf: {loaded.checkpoint} learns its combine weights (routing.combine="
+            f"{loaded.spec.combine}); the exported model code supports routing.combine=fixed only; allowed: "
+            "--format safetensors"
+        )
     loaded.model.refuse_analysis_only(f"export of {loaded.checkpoint}")
     model = loaded.model.to(device="cpu", dtype=torch.float32)
     loaded = LoadedModel(

@@ -20,8 +20,16 @@ device: no host sync), in one of two ways, fixed per layer by its route table:
     gate x scale multiply the narrow [rows, W] activation, and one index_add sums each token's K rows.
 Either way the routed rows are summed straight into the shared expert's output.
 
-The router strategies (the controls: learned, frozen_router, rerandomised_router): r_k and w_k come from a
-linear router instead of the table and p (TRMoEFFN._route); its rows go by expert.
+The router strategies (the controls: learned, learned_v3, frozen_router, rerandomised_router): r_k and w_k
+come from a linear router instead of the table and p (TRMoEFFN._route); its rows go by expert.
+
+routing.combine=learned (DeepSeek-V4's hash layers): r_k stay the table's (or the hashed key's), w_k come from
+a bias-free linear gate W_g [E, H] of the layer (TRMoEFFN._combine):
+
+    g = sqrt(softplus(x W_g^T))  (at least fp32),   w_k = g_{r_k} / sum_j g_{r_j}
+
+and the rows go by expert. No loss term reads the gate: only the cross-entropy trains it (a table layer
+never carries a balance or z loss; TRMoETransformer.router_losses refuses one).
 
 Over 400 lines on purpose: the FFN's formula, its two dispatch paths and the learned router share the
 branch's weights and gates; they are read together to check that both paths compute the formula above.
@@ -354,17 +362,30 @@ class TRMoEFFN(nn.Module):
 
         P = softmax(x W_r^T)  (at least fp32),   r_k = the K largest of P,   w_k = P_{r_k} / sum_j P_{r_j}
 
-    and each forward leaves its two router loss terms (see `router_losses`) for the objective. W_r [E, H]
+    and each forward leaves its two router loss terms (see `_route`) for the objective. W_r [E, H]
     is a parameter (learned), a parameter that never takes a gradient (frozen_router: requires_grad False,
     so no optimizer holds it and parameter counts leave it out, as they leave out route tables), or a
-    persistent buffer redrawn before every optimizer step (rerandomised_router, `redraw_router`)."""
+    persistent buffer redrawn before every optimizer step (rerandomised_router, `redraw_router`).
+
+    learned_v3 (DeepSeek-V3, arXiv 2412.19437 §2.1.2) trains W_r with sigmoid scores and a balancing bias
+    b [E]:
+
+        s = sigmoid(x W_r^T)  (at least fp32),  r_k = the K largest of s + b,  w_k = s_{r_k} / sum_j s_{r_j}
+
+    b is routing state, not a parameter (a persistent buffer: in the checkpoint, in no optimizer, in no
+    parameter count); after every applied optimizer step `update_bias` sets
+    b_e <- b_e + gamma * sign(mean_e' load_e' - load_e) from the step's loads (routed slots per expert over
+    its micro-batches and ranks, accumulated in `route_load` by the training forwards). Its forward leaves
+    the sequence-wise balance term (see `_route_v3`), which routing.seq_aux_weight weighs (0: off)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.shared = SharedExpert(spec.hidden_size, spec.shared_width) if spec.shared_width > 0 else None
         self.routed = RoutedExperts(spec, layer) if spec.routed_width > 0 else None
-        kind = REGISTRY[spec.strategy_of(layer)].router if self.routed is not None else ""
+        entry = REGISTRY[spec.strategy_of(layer)]
+        kind = entry.router if self.routed is not None else ""
         self.router_kind = kind  # "" (a route table), "trained", "frozen" or "rerandomised"
+        self.scoring = entry.scoring if kind else ""  # "softmax" or "sigmoid_bias" (learned_v3)
         self._redraw = (spec.route_seed, layer, spec.init_std)  # rerandomised_router's draw arguments
         shape = (spec.num_experts, spec.hidden_size)
         if kind == "rerandomised":
@@ -377,9 +398,26 @@ class TRMoEFFN(nn.Module):
             # frozen one is drawn by reset_parameters exactly as a trained one (same place in the order)
             trained = kind == "trained"
             self.router = nn.Parameter(torch.empty(shape), requires_grad=trained) if kind else None
+        if self.scoring == "sigmoid_bias":
+            # routing state: saved (bit-exact resume), never trained; fp32 whatever the model's dtype, so that
+            # gamma-sized steps are not rounded away in a bf16 copy
+            self.register_buffer("route_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+            # this step's routed slots per expert (training forwards only; zeroed by `reset_load`)
+            self.register_buffer("route_load", torch.zeros(spec.num_experts), persistent=False)
+        else:
+            self.route_bias = self.route_load = None
+        # routing.combine=learned: learned combine weights over the table's routes (a plain linear map, drawn
+        # by reset_parameters as every matrix is; its rows are the experts, as a router's)
+        learned_combine = spec.combine == "learned" and not kind and self.routed is not None
+        self.combine_gate = (
+            nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+            if learned_combine and spec.num_experts > 1
+            else None
+        )
         key = REGISTRY[spec.strategy_of(layer)].key
         self._route_key = (key or "token") if self.routed is not None else "token"
-        self.router_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (aux, z) of the last forward
+        # the loss terms of the last forward, by name: {"aux", "z"} (softmax) or {"seq_aux"} (learned_v3)
+        self.router_terms: dict[str, torch.Tensor] | None = None
         # the gates weigh the two branches against each other: with one branch there is nothing to weigh (a
         # lone gate would only rescale what the branch's output weight already can; the reference has none)
         gated = spec.gates and self.shared is not None and self.routed is not None
@@ -402,7 +440,12 @@ class TRMoEFFN(nn.Module):
         if self.shared is not None:
             y = self.shared(x, _factor(self.shared_scale, self.shared_gate))
         if self.routed is not None:
-            routing = self._route(x) if self.router_kind else None
+            if self.router_kind:
+                routing = self._route(x, shape[-2] if len(shape) > 2 else x.shape[0])
+            elif self.combine_gate is not None:
+                routing = self._combine(x, token_ids)
+            else:
+                routing = None
             # the routed rows are summed straight into the shared branch's output (no zero-filled [N, H] of
             # their own, no extra add: ~2% of a panel-A FFN on CPU)
             y = self.routed(
@@ -410,17 +453,31 @@ class TRMoEFFN(nn.Module):
             )
         return y.reshape(shape)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _combine(self, x: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """routing.combine=learned: (the fixed routes [K, N], their learned weights [K, N]), see the module
+        docstring."""
+        routes = self.routed._fixed_routes(keys).long()
+        logits = self.combine_gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 autocast)
+        g = F.softplus(logits).sqrt().gather(1, routes.t())  # [N, K]
+        # softplus > 0, but it underflows to 0 below about -88 (fp32): never divide by 0
+        weights = g / g.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
+        return routes, weights.t().to(x.dtype)
+
+    def _route(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned router: (experts [K, N], weights [K, N]); records this forward's loss terms
 
             aux = E * sum_e f_e * mean_n P_e,   f_e = (top-K slots given to e) / (N K), detached
             z   = mean_n logsumexp(logits_n)^2
 
-        over this micro-batch (the reference's Switch/GShard form; a uniform router gives aux = 1)."""
+        over this micro-batch (the reference's Switch/GShard form; a uniform router gives aux = 1).
+        learned_v3's are `_route_v3`'s (rows of `seq_len` consecutive positions are one sequence)."""
         router = self.router if self.router is not None else self.router_draw
         experts, top_k = router.shape[0], self.routed.top_k
         logits = x @ router.t().to(x.dtype)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 autocast)
+        if self.scoring == "sigmoid_bias":
+            return self._route_v3(logits, seq_len, x.dtype)
         probs = logits.softmax(dim=-1)  # [N, E]
         top_p, top_e = probs.topk(top_k, dim=-1)
         weights = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(1e-9)
@@ -429,8 +486,52 @@ class TRMoEFFN(nn.Module):
         share = slots / top_e.numel()
         aux = experts * (share * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
-        self.router_terms = (aux, z)
+        self.router_terms = {"aux": aux, "z": z}
         return top_e.t(), weights.t().to(x.dtype)
+
+    def _route_v3(
+        self, logits: torch.Tensor, seq_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """learned_v3 (see the class docstring): the routes, their weights, and the sequence-wise balance term
+
+            seq_aux = mean over sequences of  sum_e f_e * P_e,
+            f_e = E / (K T) * (top-K slots given to e in the sequence),
+            P_e = mean_t s_{t,e} / sum_e' s_{t,e'}
+
+        (T = seq_len positions; DeepSeek-V3's L_Bal without alpha: a balanced router gives 1). The bias
+        picks the experts only: it is detached from the weights and from the loss."""
+        experts, top_k = logits.shape[1], self.routed.top_k
+        scores = logits.sigmoid()  # [N, E]
+        top_e = (scores + self.route_bias.to(scores.dtype)).topk(top_k, dim=-1).indices
+        top_s = scores.gather(1, top_e)
+        # sigmoid > 0, but it underflows to 0 below about -88 (fp32): never divide by 0
+        weights = top_s / top_s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_s.dtype).tiny)
+        slots = torch.zeros_like(scores).scatter_(1, top_e, 1.0)  # [N, E] one-hot of the chosen experts
+        if torch.is_grad_enabled():
+            # the loads of the bias update: training forwards only (evaluation and sampling run without
+            # grad). A block recomputed by activation checkpointing counts twice, every expert alike: the
+            # sign of (mean - load) does not change.
+            self.route_load.add_(slots.sum(dim=0).to(self.route_load.dtype))
+        rows = scores.shape[0]
+        if rows % seq_len:
+            seq_len = rows  # not whole sequences (a caller's flat batch): one sequence
+        t = seq_len
+        share = (scores / scores.sum(dim=-1, keepdim=True)).view(-1, t, experts).mean(dim=1)  # P [S, E]
+        f = slots.view(-1, t, experts).sum(dim=1) * (experts / (top_k * t))  # [S, E]
+        self.router_terms = {"seq_aux": (f * share).sum(dim=-1).mean()}
+        return top_e.t(), weights.t().to(dtype)
+
+    def reset_load(self) -> None:
+        """learned_v3: start a new step's loads (a no-op for the other strategies)."""
+        if self.route_load is not None:
+            self.route_load.zero_()
+
+    def update_bias(self, loads: torch.Tensor, gamma: float) -> None:
+        """learned_v3: b_e <- b_e + gamma * sign(mean(loads) - loads_e), `loads` [E] this step's routed slots
+        per expert (over its micro-batches and ranks)."""
+        loads = loads.to(torch.float32)
+        with torch.no_grad():
+            self.route_bias.add_(torch.sign(loads.mean() - loads), alpha=gamma)
 
     def redraw_router(self, step: int) -> None:
         """rerandomised_router: draw this optimizer step's W_r (routing.draw_router, a pure function of

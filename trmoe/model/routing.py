@@ -52,7 +52,14 @@ router is in trmoe/model/moe.py), nor have ``bigram_hash``, ``prev_token_hash``,
 ``W_r`` [E, H]; ``frozen_router`` keeps ``W_r`` at its init (drawn as ``learned``'s is), never updated;
 ``rerandomised_router`` draws a fresh ``W_r ~ N(0, init_std^2)`` before every optimizer step from a
 ``torch.Generator`` seeded by ``router_step_seed(seed, layer, step) = mix32(salt ^ mix32(step))``, so a
-resumed run draws the same routers. ``REGISTRY`` is the one list of strategies: the config schema, its
+resumed run draws the same routers; ``learned_v3`` (DeepSeek-V3's router, arXiv 2412.19437 §2.1.2) trains
+``W_r`` with sigmoid scores ``s = sigmoid(x W_r^T)``, picks the top K of ``s + b`` with ``b`` [E] a bias
+nudged toward balance after every optimizer step (``b_e <- b_e + gamma * sign(mean load - load_e)``, no
+gradient), and weights the selected ``s`` normalised over the K (the formulas: trmoe/model/moe.py).
+Every strategy with fixed routes (a table or a hashed key) may learn its combine weights instead of ``p``
+(``routing.combine=learned``, DeepSeek-V4's hash layers): ``w_k = g_{r_k} / sum_j g_{r_j}`` with
+``g = sqrt(softplus(x W_g^T))``, ``W_g`` [E, H] a gate per layer; the routes stay the table's.
+``REGISTRY`` is the one list of strategies: the config schema, its
 validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
@@ -458,6 +465,9 @@ class Strategy:
     key: str | None = "token"
     analysis_only: bool = False  # routes on what inference does not have (the target): loss forwards only
     router: str = ""  # routers only (key None): "trained", "frozen" or "rerandomised" (see the module doc)
+    # routers only: "softmax" (P = softmax(x W_r^T), Switch-style aux + z losses) or "sigmoid_bias"
+    # (DeepSeek-V3: sigmoid scores, top-K on scores + a balancing bias, optional sequence-wise loss)
+    scoring: str = "softmax"
 
     @property
     def learned(self) -> bool:
@@ -588,6 +598,16 @@ _BUILTIN: dict[str, Strategy] = {
         "`--mlp-type learned_router` (a linear router, softmax, top-K)",
         key=None,
         router="trained",
+    ),
+    "learned_v3": Strategy(
+        None,
+        "by a per-expert bias nudged after every step (aux-loss-free), optional sequence-wise loss",
+        "a router per layer, trained (sigmoid scores)",
+        "input-dependent",
+        "new: DeepSeek-V3's router (arXiv 2412.19437 §2.1.2; routing.bias_update, routing.seq_aux_weight)",
+        key=None,
+        router="trained",
+        scoring="sigmoid_bias",
     ),
     "frozen_router": Strategy(
         None,

@@ -44,6 +44,7 @@ class ModelSpec:
     mup_routed_mult: float = 1.0  # mup: routed_width / mup_base_routed_width
     mup_base_head_dim: int = 0  # mup: mup_base_width / num_heads (the attention scale's d_0)
     layer_strategies: tuple[str, ...] = ()  # routing.layers resolved: layer l's strategy; () = all `strategy`
+    combine: str = "fixed"  # routing.combine: fixed (p) | learned (a gate per fixed-route layer: moe.py)
 
     def strategy_of(self, layer: int) -> str:
         """The routing strategy of layer `layer` (routing.layers, else routing.strategy)."""

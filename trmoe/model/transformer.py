@@ -109,17 +109,21 @@ class TRMoETransformer(nn.Module):
             nn.init.normal_(p, 0.0, base if m == 1 else base / math.sqrt(m))
 
     def router_losses(self) -> dict[str, torch.Tensor] | None:
-        """The learned routers' loss terms of the last forward, each the mean over layers: `aux` (load
-        balancing) and `z` (router z-loss); None without a learned router. Taking them clears them."""
-        terms = []
-        for block in self.blocks:
-            if block.ffn.router_terms is not None:
-                terms.append(block.ffn.router_terms)
-                block.ffn.router_terms = None
-        if not terms:
-            return None
-        aux, z = zip(*terms, strict=True)
-        return {"aux": torch.stack(aux).mean(), "z": torch.stack(z).mean()}
+        """The routers' loss terms of the last forward, each the mean over the layers that have it: `aux`
+        (load balancing) and `z` (router z-loss) of the softmax routers, `seq_aux` (sequence-wise balance) of
+        learned_v3's; None without a router. Taking them clears them. A layer with fixed routes never
+        carries one (a balance loss would train it on routes it never ran: RuntimeError, a bug)."""
+        terms: dict[str, list[torch.Tensor]] = {}
+        for layer, block in enumerate(self.blocks):
+            ffn = block.ffn
+            if ffn.router_terms is None:
+                continue
+            if not ffn.router_kind:
+                raise RuntimeError(f"layer {layer} routes by a table but left router loss terms")
+            for name, term in ffn.router_terms.items():
+                terms.setdefault(name, []).append(term)
+            ffn.router_terms = None
+        return {name: torch.stack(ts).mean() for name, ts in terms.items()} if terms else None
 
     @property
     def needs_targets(self) -> bool:

@@ -36,14 +36,15 @@ class Objective:
             "router_aux",
             "1",
             "moe/router_aux",
-            "routing=learned: load-balancing loss at this step (layer mean; 1 = balanced; else nan)",
+            "routers: load-balancing loss at this step (layer mean; learned_v3 alone: its sequence-wise "
+            "one; 1 = balanced; else nan)",
             slot=28,
         ),
         MetricColumn(
             "router_z",
             "1",
             "moe/router_z",
-            "routing=learned: router z-loss at this step (layer mean; nan otherwise)",
+            "softmax routers: router z-loss at this step (layer mean; nan otherwise)",
             slot=29,
         ),
     )
@@ -76,7 +77,8 @@ class Objective:
         self.train_model: nn.Module = model
         self.diversity_weight: float | None = None  # this step's lambda (None: no penalty)
         self._diversity: torch.Tensor | None = None  # last penalty value (device, detached)
-        self._router: torch.Tensor | None = None  # this step's [aux, z], micro-batch mean (device, detached)
+        # this step's router terms by name (aux, z, seq_aux), micro-batch means (device, detached)
+        self._router: dict[str, torch.Tensor] | None = None
 
     def begin_step(self, diversity_weight: float | None) -> None:
         self.diversity_weight, self._router = diversity_weight, None
@@ -110,10 +112,11 @@ class Objective:
         return objective if terms is None else objective + terms
 
     def terms(self, micro_batches: int, last: bool) -> torch.Tensor | None:
-        """What joins the cross-entropy: routing.aux_weight * aux + routing.z_weight * z of the learned
-        routers' forward just run (each per micro-batch, averaged over the step's micro-batches as the
-        cross-entropy is, so accumulation and DDP over the same micro-batches agree), and on the last
-        micro-batch lambda(step) * diversity (once per optimizer step). None when there is nothing."""
+        """What joins the cross-entropy: routing.aux_weight * aux + routing.z_weight * z (softmax routers) +
+        routing.seq_aux_weight * seq_aux (learned_v3) of the forward just run (each per micro-batch, averaged
+        over the step's micro-batches as the cross-entropy is, so accumulation and DDP over the same
+        micro-batches agree), and on the last micro-batch lambda(step) * diversity (once per optimizer
+        step). None when there is nothing."""
         terms = self._router_loss(micro_batches)
         penalty = self._penalty() if last else None
         if penalty is not None:
@@ -132,12 +135,16 @@ class Objective:
         terms = self.model.router_losses()
         if terms is None:
             return None
-        pair = torch.stack([terms["aux"], terms["z"]]).detach() / micro_batches
-        self._router = pair if self._router is None else self._router + pair
+        logged = {name: term.detach() / micro_batches for name, term in terms.items()}
+        if self._router is None:
+            self._router = logged
+        else:
+            self._router = {name: self._router[name] + value for name, value in logged.items()}
         r, extra = self.cfg.routing, None
-        for weight, term in ((r.aux_weight, terms["aux"]), (r.z_weight, terms["z"])):
-            if weight > 0:
-                extra = weight * term if extra is None else extra + weight * term
+        weights = {"aux": r.aux_weight, "z": r.z_weight, "seq_aux": r.seq_aux_weight}
+        for name, term in terms.items():
+            if weights[name] > 0:
+                extra = weights[name] * term if extra is None else extra + weights[name] * term
         return None if extra is None else extra / micro_batches
 
     def columns_declared(self) -> tuple[MetricColumn, ...]:
@@ -148,9 +155,13 @@ class Objective:
         the router's losses (the mean over ranks)."""
         row: dict[str, Any] = {"diversity": None if self._diversity is None else float(self._diversity)}
         if self._router is not None:
-            router = self._router.clone()
+            names = sorted(self._router)  # every rank has the same terms (the same model)
+            router = torch.stack([self._router[n] for n in names])
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
                 torch.distributed.all_reduce(router)  # every rank logs: the mean over ranks
                 router /= torch.distributed.get_world_size()
-            row["router_aux"], row["router_z"] = router.tolist()
+            values = dict(zip(names, router.tolist(), strict=True))
+            # the softmax routers' balance loss, else learned_v3's sequence-wise one (both 1 when balanced)
+            row["router_aux"] = values.get("aux", values.get("seq_aux"))
+            row["router_z"] = values.get("z")
         return row

@@ -1,6 +1,7 @@
 """The schedules applied: at the start of every step, the values of trmoe.optim.schedule's pure functions
 (LR multiplier, top-k primary weight p, scheduled gates, diversity weight lambda) set on the optimizer and
-the model, and a re-randomised router's draw of the step; and their metrics columns."""
+the model, and a re-randomised router's draw of the step; after every applied optimizer step, learned_v3's
+bias update from the step's expert loads (trmoe/model/moe.py); and their metrics columns."""
 
 from __future__ import annotations
 
@@ -29,11 +30,24 @@ class Scheduler:
         MetricColumn("diversity_lambda", "1", "moe/diversity_lambda", slot=26, meaning=(
             "lambda of the expert-diversity penalty at this step (nan when off)")),
     )  # fmt: skip
+    # learned_v3's layers only: one member per such layer
+    FAMILIES = (
+        MetricColumn("route_bias_spread", "1", "moe/route_bias_spread", "learned_v3: max - min of the "
+                     "layer's balancing bias b after this step"),
+        MetricColumn("route_load_imbalance", "1", "moe/route_load_imbalance", "learned_v3: the layer's "
+                     "largest expert load over the mean load in this step (1 = balanced)"),
+    )  # fmt: skip
+    MEMBER = "layer"
 
-    def __init__(self, schedules: Schedules, model: nn.Module, optimizer):
+    def __init__(self, schedules: Schedules, model: nn.Module, optimizer, bias_update: float = 0.0):
+        """`bias_update`: gamma of learned_v3's bias (routing.bias_update)."""
         self.schedules, self.model, self.optimizer = schedules, model, optimizer
         self.values: dict[str, float | None] = {}  # this step's
         self._group_lrs = GroupLRs(model, optimizer)
+        self.bias_update = bias_update
+        # learned_v3's layers, by index; the last applied step's load imbalance per layer (device, [L'])
+        self._v3 = [i for i, b in enumerate(model.blocks) if b.ffn.route_bias is not None]
+        self._imbalance: torch.Tensor | None = None
 
     def begin_step(self, step: int) -> dict[str, float | None]:
         """Set this step's LR, p, gates (lambda is the objective's); returns the step's values."""
@@ -43,6 +57,7 @@ class Scheduler:
             for block in self.model.blocks:
                 ffn = block.ffn
                 ffn.redraw_router(step)  # rerandomised_router: this step's router (a no-op otherwise)
+                ffn.reset_load()  # learned_v3: this step's loads start at 0 (a skipped step's are dropped)
                 if v["primary_weight"] is not None and ffn.routed is not None:
                     if ffn.routed.primary_weight != v["primary_weight"]:
                         ffn.routed.primary_weight = v["primary_weight"]
@@ -52,8 +67,21 @@ class Scheduler:
                     ffn.routed_gate.fill_(v["routed_gate"])
         return v
 
+    def end_step(self) -> None:
+        """After an applied optimizer step: learned_v3's bias update from the step's loads (summed over the
+        ranks: every rank applies the same update to the same bias)."""
+        if not self._v3:
+            return
+        loads = torch.stack([self.model.blocks[i].ffn.route_load for i in self._v3])  # [L', E]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(loads)
+        for row, i in enumerate(self._v3):
+            self.model.blocks[i].ffn.update_bias(loads[row], self.bias_update)
+        self._imbalance = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)
+
     def columns_declared(self) -> tuple[MetricColumn, ...]:
-        return self.COLUMNS
+        family = tuple(f.member(str(i)) for i in self._v3 for f in self.FAMILIES)
+        return self.COLUMNS + family
 
     def row(self, step: int, row) -> dict[str, Any]:
         """The metrics columns of a logged step (a producer, trmoe.run.columns): per-group LRs, the gates'
@@ -63,6 +91,11 @@ class Scheduler:
         routed = [b.ffn.routed for b in self.model.blocks if b.ffn.routed is not None]
         row["primary_weight"] = routed[0].primary_weight if routed and routed[0].top_k > 1 else None
         row["diversity_lambda"] = self.values.get("diversity")
+        for row_index, i in enumerate(self._v3):
+            bias = self.model.blocks[i].ffn.route_bias
+            row[f"route_bias_spread/{i}"] = float(bias.max() - bias.min())
+            if self._imbalance is not None:
+                row[f"route_load_imbalance/{i}"] = float(self._imbalance[row_index])
         return row
 
     def record(self) -> dict[str, Any]:

@@ -108,7 +108,7 @@ class Trainer:
         # the training forward goes through DDP; evaluation, the loss head and checkpoints use the model
         self.ddp = parallel.wrap_ddp(model, device) if self.parallelism == "ddp" else None
         self.objective.train_model = compiled(self.ddp if self.ddp is not None else model, t)
-        self.scheduler = Scheduler(schedules, model, self.optimizer)
+        self.scheduler = Scheduler(schedules, model, self.optimizer, cfg.routing.bias_update)
         downstream.attach(model, device, amp_dtype)  # the plain module, not the DDP or compiled wrapper
         self.params = [p for p in model.parameters() if p.requires_grad]
         world = dist_env.world_size
@@ -278,6 +278,7 @@ class Trainer:
             return verdict
         if verdict.action == guards.APPLY:
             self.optimizer.step()
+            self.scheduler.end_step()  # learned_v3's bias, from this step's loads
             self.window.add(step_ce, step_obj, step_tokens)
         if verdict.reason:
             skipped = "; skipped" if verdict.action == guards.SKIP else ""
