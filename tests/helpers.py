@@ -227,6 +227,31 @@ def train_in_process(run_dir: Path, *overrides: str) -> float:
         torch.set_num_threads(threads)
 
 
+def killed_and_resumed(root: Path, arms: dict[str, list[str]]) -> dict[str, Path]:
+    """Per arm (its overrides, which save a checkpoint at step 4 of 8 and name the run `r`): an uninterrupted
+    run, and a run SIGKILLed in step 6's forward (a forked child) then resumed from its step-4 checkpoint in
+    this process: {arm: the uninterrupted run, arm + "/resumed": the resumed one}."""
+    import torch
+
+    from trmoe.train.loop import train
+
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for arm, args in arms.items():
+            base = root / arm / "base"
+            train(compose_config(*args), base)
+            killed = drive("step:6:forward", root / arm / "killed", *args)
+            assert killed.returncode == -9, killed.stderr[-3000:]
+            resumed = root / arm / "killed" / "runs" / "r"
+            train(compose_config(*args), resumed)
+            assert "=== resume from step 4 " in (resumed / "train.log").read_text()
+            out[arm], out[arm + "/resumed"] = base, resumed
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def tree_digest(path: Path) -> dict[str, str]:
     """sha256 of every file below `path`: a directory nothing has touched digests the same."""
     import hashlib

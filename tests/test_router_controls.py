@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_run, compose_config, drive
+from helpers import assert_same_run, compose_config, killed_and_resumed
 from presets import RANDOM_IDS_CPU
 
 from trmoe.config.resolve import to_config
@@ -21,7 +21,6 @@ from trmoe.model.spec import ffn_spec
 from trmoe.model.transformer import TRMoETransformer, parameter_counts
 from trmoe.run.checkpoint import load_checkpoint
 from trmoe.runtime.env import seed_everything
-from trmoe.train.loop import train
 
 RUN = [*RANDOM_IDS_CPU, "trainer.micro_batch=2", "trainer.steps=8", "trainer.log_every=1"]
 RUN += ["checkpoint.every_steps=4", "telemetry.moe=true", "run.name=r"]
@@ -79,22 +78,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Per strategy: an uninterrupted 8-step run, and a run SIGKILLed in step 6's forward then resumed from
     its step-4 checkpoint (the killed attempt in a forked child, the rest in this process)."""
     root = tmp_path_factory.mktemp("router_controls")
-    threads = torch.get_num_threads()
-    out = {}
-    try:
-        for strategy in ("frozen_router", "rerandomised_router"):
-            args = [*RUN, f"routing={strategy}"]
-            base = root / strategy / "base"
-            train(compose_config(*args), base)
-            killed = drive("step:6:forward", root / strategy / "killed", *args)
-            assert killed.returncode == -9, killed.stderr[-3000:]
-            resumed = root / strategy / "killed" / "runs" / "r"
-            train(compose_config(*args), resumed)
-            assert "=== resume from step 4 " in (resumed / "train.log").read_text()
-            out[strategy], out[strategy + "/resumed"] = base, resumed
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return killed_and_resumed(
+        root, {s: [*RUN, f"routing={s}"] for s in ("frozen_router", "rerandomised_router")}
+    )
 
 
 @pytest.mark.subprocess

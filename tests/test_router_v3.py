@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_run, cli, compose_config, drive, metrics_rows
+from helpers import assert_same_run, cli, compose_config, killed_and_resumed, metrics_rows
 from presets import RANDOM_IDS_CPU
 
 from trmoe.config.param_match import solve_match
@@ -23,7 +23,6 @@ from trmoe.model.moe import TRMoEFFN, swiglu
 from trmoe.model.spec import ffn_spec
 from trmoe.model.transformer import TRMoETransformer, parameter_counts
 from trmoe.run.checkpoint import load_checkpoint
-from trmoe.train.loop import train
 
 H, E, K = 8, 4, 2
 RUN = [*RANDOM_IDS_CPU, "trainer.micro_batch=2", "trainer.steps=8", "trainer.log_every=1"]
@@ -232,22 +231,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Per arm: an uninterrupted 8-step run, and a run SIGKILLed in step 6's forward then resumed from its
     step-4 checkpoint (the killed attempt in a forked child, the rest in this process)."""
     root = tmp_path_factory.mktemp("router_v3")
-    threads = torch.get_num_threads()
-    out = {}
-    try:
-        for arm, extra in ARMS.items():
-            args = [*RUN, *extra]
-            base = root / arm / "base"
-            train(compose_config(*args), base)
-            killed = drive("step:6:forward", root / arm / "killed", *args)
-            assert killed.returncode == -9, killed.stderr[-3000:]
-            resumed = root / arm / "killed" / "runs" / "r"
-            train(compose_config(*args), resumed)
-            assert "=== resume from step 4 " in (resumed / "train.log").read_text()
-            out[arm], out[arm + "/resumed"] = base, resumed
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return killed_and_resumed(root, {arm: [*RUN, *extra] for arm, extra in ARMS.items()})
 
 
 @pytest.mark.subprocess
