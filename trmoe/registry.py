@@ -231,7 +231,16 @@ def with_options(
         options = options_of(variant)
         if options is None:
             continue
-        own = _typed_fields(options, namespace)
+        try:
+            own = _typed_fields(options, namespace)
+            if registry.origin(variant_name).plugin:
+                _check_config_types(options)
+        except Exception as e:  # options no config can hold: the plug-in's one line, not every run's
+            if not registry.origin(variant_name).plugin:
+                raise
+            reason = (str(e).strip().splitlines() or [""])[0]
+            registry.exclude(variant_name, f"its options cannot be config keys: {type(e).__name__}: {reason}")
+            continue
         clash = sorted(f.name for f, _ in own if f.name in taken)
         if clash:
             registry.exclude(
@@ -260,6 +269,13 @@ def with_options(
     cls.__doc__ = base.__doc__
     cls.__parts__ = tuple(parts)
     return cls
+
+
+def _check_config_types(options: type) -> None:
+    """The options class can be a config section (OmegaConf takes every field's type and default)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.structured(options)
 
 
 def _typed_fields(cls: type, namespace: dict[str, Any] | None = None) -> list[tuple[dataclasses.Field, Any]]:

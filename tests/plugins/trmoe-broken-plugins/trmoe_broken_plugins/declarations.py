@@ -1,3 +1,5 @@
+from dataclasses import dataclass, field
+
 from trmoe.config.optimizers import OptimizerVariant
 from trmoe.data.variant import DataSourceVariant
 
@@ -6,3 +8,13 @@ BAD_OPTIONS = OptimizerVariant(
 )
 NOT_A_STRATEGY = {"build": None}
 NO_BUILDER = DataSourceVariant(name="no_builder", build=None, doc="")
+
+
+@dataclass
+class SetOptions:
+    bad_types_ids: set = field(default_factory=set)  # a type no config key can hold
+
+
+BAD_TYPES = OptimizerVariant(
+    name="bad_types", doc="", build=lambda *a: None, state_bytes=0, state="", options=SetOptions
+)
