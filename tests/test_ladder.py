@@ -264,11 +264,13 @@ def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(
     for arm, pts in points.items():
         fits = {r["what"]: r for r in scaling if r["section"] == "fit" and r["arm"] == arm}
         refit = sl.fit(*zip(*pts, strict=True))
-        if refit.ok:
+        if refit.ok and "law" not in fits:  # identified, its bootstrap too (else one "not identified" row)
             for name, value in refit.law.to_dict().items():
                 assert float(fits[name]["estimate"]) == pytest.approx(value, rel=1e-9), (arm, name)
             assert all(math.isfinite(float(fits[x]["estimate"])) for x in ("alpha", "beta"))
         else:  # no number, and the reason
             assert all(r["estimate"] == "" and r["note"] for r in fits.values()), fits
     backtests = [r for r in scaling if r["section"] == "backtest"]
-    assert backtests and all(r["estimate"] != "" or r["note"].startswith("not fitted") for r in backtests)
+    assert backtests and all(
+        r["estimate"] != "" or r["note"].startswith(("not fitted", "no figure")) for r in backtests
+    )

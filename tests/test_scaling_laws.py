@@ -1,7 +1,11 @@
 """The scaling-law fits (trmoe/report/scaling_laws.py) on simulated ladders with planted laws: the fit
 recovers (E, A, B, α, β); the frontier, its inverse and the multiplier agree with their definitions; too few
 rungs or an unidentified exponent give no number; the backtest predicts the largest rung; and over 100
-seeded ladders the 95% intervals cover the true compute multiplier in 90-99% of them."""
+seeded ladders the 95% intervals cover the true compute multiplier in 90-99% of them. Identification: a floor
+run to its bound or a flat exponent is "not identified"; over 20 ladders of two identical arms (30 bootstrap
+replicates each, not 100: a standard error needs a few dozen, and the test must stay near a minute of CPU)
+no interval has zero width, the arms are told apart in at most 1 ladder, the printed parameter intervals
+hold the planted law, and every comparison shows its dropped replicates."""
 
 from __future__ import annotations
 
@@ -12,12 +16,16 @@ import pytest
 from scipy.optimize import minimize_scalar
 
 from trmoe.report.scaling_laws import (
+    BOUNDS,
     Arm,
+    Backtest,
     Law,
     backtest,
     comparable,
     compare,
     fit,
+    interpolated_multiplier,
+    interval,
     multiplier,
     parameter_intervals,
     resampling_units,
@@ -104,14 +112,17 @@ def test_95_percent_intervals_cover_the_true_multiplier_in_90_to_99_percent_of_1
     N, D, _, _ = ladder(CHINCHILLA)
     C = KAPPA * N.max() * 20 * N.max()
     truth = float(multiplier(CHINCHILLA, BETTER, C, KAPPA, KAPPA))
-    hits = 0
+    hits = printed = 0
     for i in range(100):
         rng = np.random.default_rng(1000 + i)
         control, arm = (Arm(*ladder(law, rng=rng), KAPPA) for law in (CHINCHILLA, BETTER))
         result = compare(control, arm, C, samples=30, seed=i)
-        assert result.reason == ""
+        if result.reason:  # not identified: no interval printed, none to cover
+            assert result.reason.split(": ", 1)[1].startswith(("not identified", "interval not identified"))
+            continue
+        printed += 1
         hits += bool(result.low[0] <= truth <= result.high[0])
-    assert 90 <= hits <= 99, hits
+    assert printed >= 50 and 0.90 <= hits / printed <= 0.99, (hits, printed)
 
 
 def test_seeds_are_resampled_whole_and_paired_and_extrapolation_is_flagged():
@@ -160,3 +171,80 @@ def test_the_default_targets_are_the_1b_and_8b_profiles_counted_by_trmoe():
     assert one.C == flops_per_token(spec, params, 2048) * one.D
     assert 6 < eight.kappa < one.kappa  # matrices (6), plus attention and the head: a larger share when small
     assert eight.C / one.C > 50
+
+
+def test_a_floor_run_to_its_bound_is_not_identified_and_says_which():
+    """A planted law without a floor (E = 0): E runs to its stated lower bound, min L / E_SPAN: no number."""
+    N, D, L, _ = ladder(Law(E=0.0, A=406.4, B=410.7, alpha=0.34, beta=0.28), noise=0.002)
+    found = fit(N, D, L)
+    assert not found.ok and found.reason.startswith("not identified: E at its bound"), found.reason
+    # a flat dependence on N: alpha's profile (or its bound) says so
+    N, D, L, _ = ladder(Law(E=1.69, A=1e-6, B=410.7, alpha=0.34, beta=0.28), noise=0.01)
+    assert fit(N, D, L).reason.startswith("not identified"), fit(N, D, L).reason
+
+
+def test_intervals_never_have_zero_width_and_infinite_ones_are_not_estimable():
+    assert all(map(math.isnan, interval(2.0, [2.0] * 30)))  # no spread: no interval, never [2, 2]
+    low, high = interval(2.0, [2.0, math.inf, math.inf] * 10, log=True)
+    assert math.isnan(low) and high == math.inf  # most replicates beyond the floor: not estimable
+    low, high = interval(1.0, np.linspace(0.5, 1.5, 30), log=True)
+    assert 0 < low < 1 < high < math.inf
+
+
+def test_the_backtest_calls_covered_only_with_an_informative_interval():
+    wide = Backtest(N=1e9, predicted=2.2, measured=2.0, low=1.8, high=2.6)  # ±20%: covers anything
+    assert not wide.covered and wide.verdict.startswith("interval not informative (width 36%")
+    assert wide.verdict.endswith("relative error +10.0%")
+    tight = Backtest(N=1e9, predicted=2.02, measured=2.0, low=1.95, high=2.09)
+    assert tight.covered and tight.verdict == "covered; relative error +1.0%"
+    assert not Backtest(N=1e9, predicted=2.2, measured=2.0, low=2.15, high=2.25).covered
+
+
+def test_the_fallback_interpolates_each_rungs_loss_against_compute():
+    """Power curves at one rung, the arm's shifted by a planted k = 1.5 in compute: recovered exactly (the
+    interpolation is linear in log-log); outside the arm's runs: not estimable, with the reason."""
+    N = np.full(3, 1e7)
+    D = N * np.array([10, 20, 40])
+    C = KAPPA * N * D
+    control = Arm(N, D, 5 * C**-0.02, [0, 0, 0], KAPPA)
+    arm = Arm(N, D, 5 * (1.5 * C) ** -0.02, [0, 0, 0], KAPPA)
+    k, why = interpolated_multiplier(control, arm, 1e7, float(C[1]))
+    assert why == "" and k == pytest.approx(1.5, rel=1e-9)
+    assert interpolated_multiplier(control, control, 1e7, float(C[0]))[0] == pytest.approx(1.0)
+    k, why = interpolated_multiplier(control, arm, 1e7, float(C[2]))  # below the control's runs
+    assert math.isnan(k) and why == "the arm's loss is outside the control's runs at this rung"
+
+
+def test_identical_arms_are_not_told_apart_and_printed_intervals_hold_the_truth():
+    """20 ladders of two arms of one planted law (independent noise): the 95% multiplier intervals at the
+    five rungs and two targets (1b- and 8b-like sizes at 20 tokens per parameter) hold 1 in >= 19 of 20
+    ladders; every printed parameter interval lies inside its bounds and holds its truth in >= 90% (measured:
+    see docs/scaling.md); the rest say "not identified"; the drop count is in every note."""
+    sizes = np.geomspace(1e7, 3e8, 5)
+    C = np.array([KAPPA * n * 20 * n for n in (*sizes, 1e9, 8e9)])
+    told_apart = printed = held = 0
+    for i in range(20):
+        rng = np.random.default_rng(2000 + i)
+        a, b = (Arm(*ladder(CHINCHILLA, rng=rng), KAPPA) for _ in range(2))
+        result = compare(a, b, C, samples=30, seed=i)
+        if result.reason:
+            who, why = result.reason.split(": ", 1)
+            assert who in ("control", "arm") and why.startswith(("not identified", "interval not identified"))
+            continue
+        assert "replicates" in result.note and "not converged" in result.note
+        finite = np.isfinite(result.high)
+        assert np.all(result.high[finite] > result.low[finite])  # never zero width
+        told_apart += bool(np.any((result.low > 1) | (result.high < 1)))
+        for found, reps in ((result.control, result.control_reps), (result.arm, result.arm_reps)):
+            for name, (_, low, high) in parameter_intervals(found, reps).items():
+                if math.isnan(low):
+                    continue
+                assert high > low
+                if name in ("alpha", "beta"):
+                    assert BOUNDS[0] < low and high < BOUNDS[1]
+                if name == "E":
+                    assert found.e_bounds[0] < low and high < found.e_bounds[1]
+                printed += 1
+                held += low <= CHINCHILLA.to_dict()[name] <= high
+    assert told_apart <= 1, told_apart
+    assert printed >= 50 and held / printed >= 0.90, (held, printed)

@@ -304,7 +304,7 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
     if not scaling.arms:  # every ladder run was left out (the section lists why)
         return []
     plt = pyplot()
-    fitted = [a for a in scaling.arms if a.fit.ok]
+    fitted = [a for a in scaling.arms if a.identified]
     colors = _colors(scaling.arms)
     top = max([c for _, c in scaling.at] + [p.C for a in scaling.arms for p in a.points])
     low = min(p.C for a in scaling.arms for p in a.points)
@@ -315,7 +315,7 @@ def plot_scaling(scaling, folder: Path) -> list[Path]:
     for arm in scaling.arms:
         color = colors[arm.name]
         ax.plot([p.C for p in arm.points], [p.L for p in arm.points], "o", color=color, label=arm.name, ms=4)
-        if not arm.fit.ok:
+        if not arm.identified:
             continue
         for n in sorted({p.N for p in arm.points}):
             mine = [p for p in arm.points if p.N == n]

@@ -26,7 +26,11 @@ from trmoe.report.scaling_targets import Target, target
 from trmoe.report.summary import Summary
 
 Est = tuple[float, float, float]  # estimate, low, high of a 95% interval
-FLOOR = "; k = inf: the arm's loss is below the control law's floor E (no compute reaches it)"
+FLOOR = "; not estimable: the arm's loss is below the control law's floor E (no compute reaches it)"
+FALLBACK = (
+    "fallback: interpolated at the rung from the runs (each arm's loss against compute between its budgets), "
+    "no law, no interval"
+)
 
 
 @dataclass
@@ -40,6 +44,20 @@ class ArmFit:
     comparison: sl.Comparison | None = None
     refused: str = ""  # why this arm is not compared with the control
     reps: sl.Replicates | None = None  # the bootstrap's laws (the plots' bands)
+    fallback: list[tuple[float, str]] = field(default_factory=list)  # per rung: interpolated k, or why not
+
+    @property
+    def identified(self) -> bool:
+        """The law is identified (sl.fit), its bootstrap dropped at most sl.MAX_DROPPED of the replicates."""
+        return self.fit.ok and self.reps is not None and self.reps.identified
+
+    @property
+    def why_not(self) -> str:
+        if not self.fit.ok:
+            return self.fit.reason
+        if self.reps is not None and not self.reps.identified:
+            return f"not identified: {self.reps.note} (more than {sl.MAX_DROPPED:.0%})"
+        return ""
 
     @property
     def data(self) -> sl.Arm:
@@ -70,6 +88,7 @@ class Scaling:
     accuracy: list[AccuracyFit]
     accuracy_note: str = ""
     extra: list[tuple[float, float]] = field(default_factory=list)  # the targets' (C, κ)
+    max_loss: float = math.inf  # ln V: a predicted loss above the uniform guess's is no figure
     points: list[Point] = field(default_factory=list)  # every ladder run, fit point or not
 
     def decades(self, arm: ArmFit, C: float) -> float:
@@ -128,11 +147,14 @@ def analyse(
     ctrl = arms[choices.index(chosen)] if chosen is not None else None
     targets = [target(t, tokens_per_param=opts.tokens_per_param) for t in opts.targets]
     out = Scaling(opts, arms, ctrl, note, targets, [], [p for p in points if p.excluded], [], points=points)
+    out.max_loss = _ln_vocab(ladder_runs)
+    rung_n = []  # the control's N at each rung (the fallback's rungs)
     if ctrl is not None:
         rungs = sorted({p.rung for p in ctrl.points})
         for rung in rungs:
             at = [p for p in ctrl.points if p.rung == rung]
             out.at.append((f"rung {at[0].rung_label}", float(np.exp(np.mean([np.log(p.C) for p in at])))))
+            rung_n.append(at[0].N)
     out.at += [(t.name, t.C) for t in targets]
     extra = out.extra = [(t.C, t.C / (out.target_n(t) * t.D)) for t in targets]
     for arm in arms:
@@ -149,6 +171,8 @@ def analyse(
                 )
                 reps = arm.comparison.arm_reps
         reps = arm.reps = reps or _reps(arm, opts)
+        if not reps.identified:
+            continue
         arm.params = sl.parameter_intervals(arm.fit, reps)
         arm.params["gamma"] = _est(arm.fit.law.gamma, reps.values(lambda law: law.gamma), False)
         for t in targets:
@@ -157,10 +181,26 @@ def analyse(
                 float(arm.fit.law.loss(n, t.D)), reps.values(lambda law, n=n, d=t.D: law.loss(n, d)), True
             )
     for arm in arms:
+        c = arm.comparison
+        if ctrl is not None and arm is not ctrl and not arm.refused and (c is None or c.reason):
+            arm.fallback = [
+                sl.interpolated_multiplier(ctrl.data, arm.data, n, C)
+                for n, (_, C) in zip(rung_n, out.at, strict=False)
+            ]
+    for arm in arms:
         d = arm.data
         arm.backtest = sl.backtest(d.N, d.D, d.L, samples=opts.samples, seed=opts.seed)
     out.accuracy, out.accuracy_note = _downstream(usable, summaries)
     return out
+
+
+def _ln_vocab(runs: list[Run]) -> float:
+    """ln V of the runs' vocabulary (config model.vocab_size, else the embedding's rows): the loss of a
+    uniform guess, above which no trained model's loss lies; inf when no run records it."""
+    sizes = [r.config_value("model.vocab_size") or (r.record.get("model_spec") or {}).get("embedding_rows")
+             for r in runs]  # fmt: skip
+    sizes = [float(v) for v in sizes if isinstance(v, int | float) and v > 1]
+    return math.log(max(sizes)) if sizes else math.inf
 
 
 def frontier_band(s: Scaling, arm: ArmFit, C) -> np.ndarray:
@@ -209,7 +249,7 @@ def _downstream(points: list[Point], summaries: dict[str, Summary]) -> tuple[lis
 
 def _fmt(value: float, digits: int = 4) -> str:
     if value is None or not math.isfinite(value):
-        return "inf" if value == math.inf else "n/a"
+        return "not estimable" if value == math.inf else "n/a"
     return f"{value:.{digits}g}"
 
 
@@ -248,24 +288,45 @@ def rows(s: Scaling) -> list[dict]:
     for p in s.excluded:
         add("excluded", p.arm, "run", p.run, note=p.excluded)
     for arm in s.arms:
-        if not arm.fit.ok:
-            add("fit", arm.name, "law", note=f"not fitted: {arm.fit.reason}")
-            continue
-        for name, e in arm.params.items():
-            add("fit", arm.name, name, e=e, note=f"{arm.fit.points} runs")
-        for t in s.targets:
-            d = s.decades(arm, t.C)
-            add("prediction", arm.name, "loss", t.name, t.C, d, arm.predictions[t.name], _flag(s, d))
+        if not arm.identified:
+            fallback = "; fallback: the multipliers at the rungs interpolated from the runs"
+            fallback = fallback if arm.fallback else ""
+            if not arm.fit.ok and not arm.fit.reason.startswith("not identified"):
+                add("fit", arm.name, "law", note=f"not fitted: {arm.fit.reason}{fallback}")
+            else:
+                why = arm.why_not.removeprefix("not identified: ")
+                add("fit", arm.name, "law", note=f"not identified: {why}{fallback}")
+        else:
+            for name, e in arm.params.items():
+                add("fit", arm.name, name, e=e, note=f"{arm.fit.points} runs; {arm.reps.note}")
+            for t in s.targets:
+                d = s.decades(arm, t.C)
+                e, why = _loss_cell(s, arm.predictions[t.name])
+                note = "; ".join(filter(None, [_flag(s, d), why]))
+                add("prediction", arm.name, "loss", t.name, t.C, d, e, note)
         b = arm.backtest
         if b.reason:
-            add("backtest", arm.name, "loss", f"N={b.N:.6g}", note=f"not fitted: {b.reason}")
+            said = "no figure" if b.reason.startswith(("not identified", "interval not")) else "not fitted"
+            add("backtest", arm.name, "loss", f"N={b.N:.6g}", note=f"{said}: {b.reason}")
         else:
-            note = ("covered" if b.covered else "NOT covered") + f"; measured {b.measured:.6g}"
+            note = f"{b.verdict}; measured {b.measured:.6g}; {b.note}"
             add("backtest", arm.name, "loss", f"N={b.N:.6g}", e=(b.predicted, b.low, b.high), note=note)
     for arm in s.arms:
         if s.control is None or arm is s.control:
             continue
         c = arm.comparison
+        if arm.fallback:
+            why = (c.reason if c else "") or arm.why_not or s.control.why_not
+            for (at, C), (k, missing) in zip(s.at, arm.fallback, strict=False):
+                d = s.decades(arm, C)
+                e = (k, None, None) if math.isfinite(k) else (None, None, None)
+                said = FALLBACK if math.isfinite(k) else f"not estimable: {missing}"
+                note = f"law not identified ({why}); {said}"
+                add("multiplier", arm.name, "k", at, C, d, e, note)
+            for at, C in s.at[len(arm.fallback) :]:
+                add("multiplier", arm.name, "k", at, C, s.decades(arm, C),
+                    note="not estimable: no identified law to extrapolate with")  # fmt: skip
+            continue
         why = arm.refused or (c.reason if c else "") or ("" if arm.fit.ok else f"arm: {arm.fit.reason}")
         why = why or ("" if s.control.fit.ok else f"control: {s.control.fit.reason}")
         if why or c is None:
@@ -274,16 +335,14 @@ def rows(s: Scaling) -> list[dict]:
         paired = "paired seeds" if c.paired else "runs resampled per arm"
         for i, (at, C) in enumerate(s.at):
             d = s.decades(arm, C)
-            add(
-                "multiplier",
-                arm.name,
-                "k",
-                at,
-                C,
-                d,
-                (c.k[i], c.low[i], c.high[i]),
-                f"{_flag(s, d)}; {paired}" + (FLOOR if np.isinf(c.k[i]) else ""),
-            )
+            e = (c.k[i], c.low[i], c.high[i])
+            note = f"{_flag(s, d)}; {paired}; {c.note}"
+            if not np.isfinite(c.k[i]):
+                e, note = (None, None, None), note + FLOOR
+            elif not np.isfinite(c.high[i]):
+                e = (c.k[i], None, None)
+                note += "; interval not estimable (replicates beyond the floor)"
+            add("multiplier", arm.name, "k", at, C, d, e, note)
     return out
 
 
@@ -345,5 +404,22 @@ def markdown(s: Scaling) -> list[str]:
     return lines
 
 
+def _loss_cell(s: Scaling, e: Est) -> tuple[Est, str]:
+    """A predicted loss and its interval as figures only within (0, ln V]: beyond, no figure and why."""
+    est, low, high = e
+    inside = [v is not None and math.isfinite(v) and 0 < v <= s.max_loss for v in e]
+    if not inside[0]:
+        return (None, None, None), f"predicted loss outside (0, ln V = {s.max_loss:.3g}]: no figure"
+    if not all(inside):
+        return (est, None, None), f"interval reaches outside (0, ln V = {s.max_loss:.3g}]: not identified"
+    return e, ""
+
+
 def _est_cell(r: dict) -> str:
-    return "—" if r["estimate"] is None else _cell((r["estimate"], r["low"], r["high"]))
+    if r["estimate"] is None:
+        return "—"
+    if r["low"] is None or not all(map(math.isfinite, (r["low"], r["high"]))):
+        interval = "no interval" if "fallback" in r["note"] else "not identified"
+        interval = "not estimable" if "interval not estimable" in r["note"] else interval
+        return f"{_fmt(r['estimate'], 3)} [{interval}]"
+    return _cell((r["estimate"], r["low"], r["high"]))
