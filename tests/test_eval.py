@@ -229,6 +229,11 @@ def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, tmpfs, capsys):
         ("step=-3", "step=-3: must be an integer >= 0"),
         ("dtype=fp8", "dtype=fp8: allowed: auto, fp32, bf16, fp16"),
         ("device=tpu", "device=tpu: allowed: auto, cpu"),
+        # Hydra said "str is not a ListConfig" after a doubled prefix
+        (
+            "tasks=arc_easy",
+            "trmoe: eval: config error: tasks=arc_easy: tasks is a list; write tasks=[arc_easy]",
+        ),
         pytest.param(
             "device=cuda",
             "device=cuda: CUDA is not available here",
@@ -243,6 +248,19 @@ def test_eval_keys_are_validated_before_anything_runs(tmp_path, key, expected):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_task_gets_a_close_name_before_the_harness_indexes_its_own(tmp_path, monkeypatch):
+    """A misspelt task is refused with the close names, from a read of the harness's task files, before its
+    first full indexing (a minute on a slow disk): no index is built (none is cached)."""
+    from trmoe.errors import UserError
+    from trmoe.eval import load_tasks
+
+    monkeypatch.setenv("TRMOE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(UserError) as refused:
+        load_tasks(["arc_easyy"])
+    assert "unknown task 'arc_easyy'; did you mean arc_easy" in str(refused.value), refused.value
+    assert not (tmp_path / "cache").exists()  # refused before the harness's index was built (and cached)
 
 
 def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):

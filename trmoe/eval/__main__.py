@@ -34,12 +34,16 @@ def compose(overrides: list[str]):
         keys = keys_help(EvalToolConfig)
         print(f"{__doc__.strip()}\n\nKeys (key=value; default, then what it is):\n{keys}")
         raise SystemExit(0)
+    for word in overrides:  # Hydra's "str is not a ListConfig" for a list key given one bare name
+        key, equals, value = word.partition("=")
+        if key in ("tasks", "+tasks") and equals and value and not value.startswith("["):
+            raise UserError(f"eval: config error: {word}: tasks is a list; write tasks=[{value}]")
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = hydra_compose("eval_tool", overrides=list(overrides))
         tool: EvalToolConfig = OmegaConf.to_object(cfg)
     except Exception as e:
-        raise UserError(f"python -m trmoe.eval: {compose_error(e)}") from None
+        raise UserError(f"eval: {compose_error(e)}") from None
     validate_eval_tool(tool)
     return tool
 
