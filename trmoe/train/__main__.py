@@ -212,20 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     return run(_main, argv)
 
 
-def versions() -> str:
-    """`--version`: trmoe's, torch's and Hydra's (read from the installed packages: torch is not imported)."""
-    from importlib.metadata import version
-
-    return f"trmoe {version('trmoe')} (torch {version('torch')}, hydra-core {version('hydra-core')})"
-
-
 def _main(argv: list[str]) -> int:
     global _task_started
     if _previous_sigint is not None and signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
         signal.signal(signal.SIGINT, _previous_sigint)  # from here on Ctrl-C is a KeyboardInterrupt
-    if "--version" in argv:  # Hydra's own flag prints Hydra's version only
-        print(versions())
-        return 0
     _task_started = False
     _failed_jobs.clear()
     saved = sys.argv
