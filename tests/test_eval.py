@@ -113,17 +113,36 @@ def test_rolling_loglikelihood_and_generation(lm):
         assert "." not in out
 
 
-def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
-    args = [f"run={text_run}", f"tasks=[{TASK}]", f"include_path={TASKS}", "batch_size=4"]
-    result = cli(args, cwd=tmp_path, module="trmoe.eval")
+def test_eval_cli_writes_results_adds_later_tasks_and_never_overwrites(text_run, tmp_path):
+    """A second evaluation of the same step (README's two lines) adds its tasks to eval/<step>.json; a task
+    already there, or another limit, is one line and the file is left as it was."""
+    tasks = shutil.copytree(TASKS, tmp_path / "tasks")
+    other = "trmoe_tiny_mc_again"
+    yaml_text = (tasks / f"{TASK}.yaml").read_text().replace(f"task: {TASK}", f"task: {other}")
+    (tasks / f"{other}.yaml").write_text(yaml_text)
+    args = [f"run={text_run}", f"include_path={tasks}", "batch_size=4"]
+    result = cli([*args, f"tasks=[{TASK}]"], cwd=tmp_path, module="trmoe.eval")
     assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads((text_run / "eval" / "60.json").read_text())
-    assert record["step"] == 60 and TASK in record["results"]
+    file = text_run / "eval" / "60.json"
+    record = json.loads(file.read_text())
+    assert record["step"] == 60 and list(record["results"]) == [TASK] and record["tasks"] == [TASK]
     assert record["num_fewshot"] is None and record["limit"] is None  # what the figures were made with
     print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
-    again = cli(args, cwd=tmp_path, module="trmoe.eval")
-    assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
-    shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
+    try:
+        again = cli([*args, f"tasks=[{TASK}]"], cwd=tmp_path, module="trmoe.eval")
+        assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+        assert f"tasks: {TASK}: already in {file} (nothing is overwritten)" in again.stderr
+        limited = cli([*args, f"tasks=[{other}]", "limit=2"], cwd=tmp_path, module="trmoe.eval")
+        assert limited.returncode == 2 and "limit=2: " in limited.stderr, limited.stderr
+        assert json.loads(file.read_text()) == record
+        added = cli([*args, f"tasks=[{other}]"], cwd=tmp_path, module="trmoe.eval")
+        assert added.returncode == 0, added.stderr[-3000:]
+        both = json.loads(file.read_text())
+        assert both["tasks"] == [TASK, other] and list(both["results"]) == [TASK, other]
+        assert both["results"][TASK] == record["results"][TASK]
+        assert both["results"][other]["acc,none"] == record["results"][TASK]["acc,none"]  # the same data
+    finally:
+        shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
 
 def _lambada_local(folder: Path) -> Path:
