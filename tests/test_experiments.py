@@ -397,6 +397,23 @@ def test_mismatched_seed_count_and_token_budget_raise_warnings(smoke_sweep, tmp_
     assert "`trainer.steps`" in warnings
 
 
+def test_a_tracker_is_no_training_difference(tmp_path):
+    """Two runs of one recipe, one launched with `logger=tensorboard` (what records the run, not what it
+    trains): no warning (the report said "launched with different overrides: `logger`" and "Everything else
+    (model, ...) differs" for the logger section of the config)."""
+    for name, extra in (("plain", []), ("tracked", ["logger=tensorboard"])):
+        result = cli(
+            [*TINY_RUN, "data=random", "model.vocab_size=512", "hardware=cpu", *extra,
+             f"hydra.run.dir=runs/{name}"],
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "runs" / "tracked" / "tensorboard").is_dir()  # the tracker did record it
+    warnings = _report_warnings([tmp_path / "runs"], tmp_path / "report")
+    assert "differs" not in warnings and "different overrides" not in warnings, warnings
+    assert "logger" not in warnings, warnings
+
+
 def test_failed_job_is_reported_and_does_not_stop_the_sweep(tmp_path):
     result = cli(
         ["-m", "routing.top_k=1,5,2", "data=random", "model.vocab_size=512", *TINY_RUN, "hardware=cpu",

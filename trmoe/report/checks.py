@@ -104,7 +104,8 @@ def _flatten(node: Any, prefix: str, out: dict[str, str]) -> None:
 def facts(run: Run, summary: Summary) -> dict[str, str]:
     rec = run.record
     out: dict[str, str] = {}
-    config = {k: v for k, v in run.config.items() if k != "run"}  # run.name / progress: presentation only
+    # run.name / progress: presentation only; logger: the trackers record the run, they train nothing
+    config = {k: v for k, v in run.config.items() if k not in ("run", "logger")}
     _flatten(config, "config", out)
     out.pop(f"config.{SEED_KEY}", None)  # the seed set is its own item
     _flatten(rec.get("data") or {}, "data", out)
