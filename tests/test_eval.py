@@ -207,6 +207,21 @@ def test_the_harness_command_line_knows_every_model_and_trmoe(text_run, exported
         assert bad.stderr.startswith(line), bad.stderr
 
 
+@pytest.mark.subprocess
+def test_the_readme_lm_eval_line_offline_is_one_line(text_run, tmp_path):
+    """README's `trmoe-lm-eval --model trmoe --model_args run=...,step=... --tasks arc_easy` on a machine
+    without arc_easy's data (offline: trmoe.eval turns the hub off) ended in a 59-line traceback; a console
+    shows the harness's log lines and then one line, exit 2, as trmoe-eval gives it."""
+    from helpers import python
+
+    args = ["--model", "trmoe", "--model_args", f"run={text_run},step=60", "--tasks", "arc_easy"]
+    result = python("-m", "trmoe.eval.harness", *args, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trmoe: lm-eval: --tasks arc_easy: a task's data is not available offline ("), last
+    assert last.endswith("or local task YAMLs (--include_path)") and "datasets cache" in last, last
+
+
 def test_help_lists_the_keys_and_their_defaults(tmp_path):
     result = cli(["--help"], cwd=tmp_path, module="trmoe.eval")
     assert result.returncode == 0
