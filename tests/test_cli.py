@@ -77,3 +77,45 @@ def test_a_real_process_gives_the_line_and_code_main_gives(module, args, line, t
     assert real.stderr.startswith("trmoe: ") and line in real.stderr, real.stderr
     assert len(real.stderr.splitlines()) == 1 and real.stdout == inner.stdout == ""
     assert sorted(tmp_path.rglob("*")) == [tmp_path / "inner", tmp_path / "real"]  # nothing written
+
+
+def _console_scripts() -> dict[str, str]:
+    """pyproject.toml's [project.scripts]: console script -> `module:function`."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["scripts"]
+
+
+@pytest.mark.parametrize("script", sorted(_console_scripts()))
+def test_every_console_tool_has_version(script, capsys):
+    """`trmoe-eval --version` was a Hydra lexer error, `trmoe-sample --version` an unknown argument: only
+    trmoe-train had it."""
+    import importlib
+    from importlib.metadata import version
+
+    module, function = _console_scripts()[script].split(":")
+    main = getattr(importlib.import_module(module), function)
+    assert main(["--version"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(f"trmoe {version('trmoe')} (torch {version('torch')}, hydra-core ")
+    assert not out.err
+
+
+@pytest.mark.subprocess
+def test_a_console_script_is_named_as_typed(tmp_path):
+    """A bad option of `trmoe-sample` (a console script: sys.argv[0] ends in trmoe-sample) names
+    `trmoe-sample`, which the user typed, not `python -m trmoe.sample`; `python -m` keeps its name."""
+    from helpers import python
+
+    script = tmp_path / "bin" / "trmoe-sample"  # what pip writes for [project.scripts]
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom trmoe.sample import main\nsys.exit(main())\n")
+    typed = python(script, "runs/x", "--max-new-tokens", "abc", cwd=tmp_path)
+    assert typed.returncode == 2 and typed.stderr == (
+        "trmoe: trmoe-sample: argument --max-new-tokens: invalid int value: 'abc'; "
+        "allowed: see trmoe-sample --help\n"
+    )
+    module = python("-m", "trmoe.sample", "runs/x", "--max-new-tokens", "abc", cwd=tmp_path)
+    assert module.returncode == 2 and "allowed: see python -m trmoe.sample --help" in module.stderr

@@ -194,6 +194,19 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         # every job of a sweep composes before Hydra writes the sweep directory
         (["--multirun", "routing=modulo_cyclic,balanced_hashh"], "[sweep job 1: routing=balanced_hashh]"),
         (["experiment=topk_smoke", "trainer.steps=1,x"], "trainer.steps=x"),
+        # Hydra's words point elsewhere ("Ambiguous value", "Multiple values", "Error parsing override"):
+        # what the user meant instead
+        (
+            ["routing=modulo_cyclic,balanced_hash"],
+            "routing=modulo_cyclic,balanced_hash: a comma-separated value is a sweep; add --multirun to "
+            "sweep it",
+        ),
+        (["trainer.seed=1,2"], "add --multirun to sweep it (or trainer.seed=[1,2] for one list value)"),
+        (["+experiment=topk_smoke"], "+experiment=topk_smoke: experiment is a group the config already has"),
+        (["+experiment=topk_smoke"], "drop the +: experiment=topk_smoke"),
+        (["trainer.steps", "10"], "trainer.steps: an override needs its '=' (no spaces around it); write "),
+        (["trainer.steps", "10"], "write trainer.steps=10"),
+        (["--multirun", "trainer.steps"], "write trainer.steps=<value>"),
     ],
 )
 def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needle):
@@ -202,6 +215,36 @@ def test_cli_composition_errors_exit_2_with_one_line(tmp_path: Path, args, needl
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("trmoe: config error: ") and needle in lines[0], lines
     assert "Traceback" not in result.stderr
+    assert list(tmp_path.rglob("*")) == []
+
+
+def _unavailable_device() -> str:
+    """A hardware preset this machine cannot run: cuda without a GPU, else the other GPU kind's name."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cuda"
+    return "cuda" if torch.version.hip is not None else "rocm"
+
+
+@pytest.mark.parametrize(
+    ("args", "jobs"),
+    [
+        # README's sweep, and a grid (which is a sweep by itself): every job would fail on the same line
+        (["--multirun", "routing=modulo_cyclic,balanced_hash,multi_hash", "attention=gqa,mha"], "0-5 of 6"),
+        (["experiment=routing_ablation_smoke"], "0-10 of 11"),
+    ],
+)
+def test_a_sweep_no_job_of_which_can_run_is_refused_whole(tmp_path: Path, args, jobs):
+    """A setting no job can run with (the device, which a job checked only once it started) is refused
+    once, before Hydra writes a folder, as a single run refuses it, instead of a failed folder per job."""
+    device = _unavailable_device()
+    result = cli([*args, f"hardware={device}"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"trmoe: config error: hardware={device}: no {device.upper()} device")
+    assert lines[0].endswith(f"[sweep jobs {jobs}; nothing was launched]")
     assert list(tmp_path.rglob("*")) == []
 
 

@@ -113,17 +113,36 @@ def test_rolling_loglikelihood_and_generation(lm):
         assert "." not in out
 
 
-def test_eval_cli_writes_results_and_never_overwrites(text_run, tmp_path):
-    args = [f"run={text_run}", f"tasks=[{TASK}]", f"include_path={TASKS}", "batch_size=4"]
-    result = cli(args, cwd=tmp_path, module="trmoe.eval")
+def test_eval_cli_writes_results_adds_later_tasks_and_never_overwrites(text_run, tmp_path):
+    """A second evaluation of the same step (README's two lines) adds its tasks to eval/<step>.json; a task
+    already there, or another limit, is one line and the file is left as it was."""
+    tasks = shutil.copytree(TASKS, tmp_path / "tasks")
+    other = "trmoe_tiny_mc_again"
+    yaml_text = (tasks / f"{TASK}.yaml").read_text().replace(f"task: {TASK}", f"task: {other}")
+    (tasks / f"{other}.yaml").write_text(yaml_text)
+    args = [f"run={text_run}", f"include_path={tasks}", "batch_size=4"]
+    result = cli([*args, f"tasks=[{TASK}]"], cwd=tmp_path, module="trmoe.eval")
     assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads((text_run / "eval" / "60.json").read_text())
-    assert record["step"] == 60 and TASK in record["results"]
+    file = text_run / "eval" / "60.json"
+    record = json.loads(file.read_text())
+    assert record["step"] == 60 and list(record["results"]) == [TASK] and record["tasks"] == [TASK]
     assert record["num_fewshot"] is None and record["limit"] is None  # what the figures were made with
     print(f"python -m trmoe.eval on {TASK} (8 examples): {record['seconds']:.1f} s inside the harness")
-    again = cli(args, cwd=tmp_path, module="trmoe.eval")
-    assert again.returncode == 2 and "exists" in again.stderr and again.stderr.count("\n") == 1
-    shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
+    try:
+        again = cli([*args, f"tasks=[{TASK}]"], cwd=tmp_path, module="trmoe.eval")
+        assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+        assert f"tasks: {TASK}: already in {file} (nothing is overwritten)" in again.stderr
+        limited = cli([*args, f"tasks=[{other}]", "limit=2"], cwd=tmp_path, module="trmoe.eval")
+        assert limited.returncode == 2 and "limit=2: " in limited.stderr, limited.stderr
+        assert json.loads(file.read_text()) == record
+        added = cli([*args, f"tasks=[{other}]"], cwd=tmp_path, module="trmoe.eval")
+        assert added.returncode == 0, added.stderr[-3000:]
+        both = json.loads(file.read_text())
+        assert both["tasks"] == [TASK, other] and list(both["results"]) == [TASK, other]
+        assert both["results"][TASK] == record["results"][TASK]
+        assert both["results"][other]["acc,none"] == record["results"][TASK]["acc,none"]  # the same data
+    finally:
+        shutil.rmtree(text_run / "eval")  # the run is shared by the session's other tests
 
 
 def _lambada_local(folder: Path) -> Path:
@@ -188,6 +207,21 @@ def test_the_harness_command_line_knows_every_model_and_trmoe(text_run, exported
         assert bad.stderr.startswith(line), bad.stderr
 
 
+@pytest.mark.subprocess
+def test_the_readme_lm_eval_line_offline_is_one_line(text_run, tmp_path):
+    """README's `trmoe-lm-eval --model trmoe --model_args run=...,step=... --tasks arc_easy` on a machine
+    without arc_easy's data (offline: trmoe.eval turns the hub off) ended in a 59-line traceback; a console
+    shows the harness's log lines and then one line, exit 2, as trmoe-eval gives it."""
+    from helpers import python
+
+    args = ["--model", "trmoe", "--model_args", f"run={text_run},step=60", "--tasks", "arc_easy"]
+    result = python("-m", "trmoe.eval.harness", *args, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trmoe: lm-eval: --tasks arc_easy: a task's data is not available offline ("), last
+    assert last.endswith("or local task YAMLs (--include_path)") and "datasets cache" in last, last
+
+
 def test_help_lists_the_keys_and_their_defaults(tmp_path):
     result = cli(["--help"], cwd=tmp_path, module="trmoe.eval")
     assert result.returncode == 0
@@ -229,6 +263,11 @@ def test_bad_input_is_one_line_and_exit_2(text_run, tmp_path, tmpfs, capsys):
         ("step=-3", "step=-3: must be an integer >= 0"),
         ("dtype=fp8", "dtype=fp8: allowed: auto, fp32, bf16, fp16"),
         ("device=tpu", "device=tpu: allowed: auto, cpu"),
+        # Hydra said "str is not a ListConfig" after a doubled prefix
+        (
+            "tasks=arc_easy",
+            "trmoe: eval: config error: tasks=arc_easy: tasks is a list; write tasks=[arc_easy]",
+        ),
         pytest.param(
             "device=cuda",
             "device=cuda: CUDA is not available here",
@@ -243,6 +282,19 @@ def test_eval_keys_are_validated_before_anything_runs(tmp_path, key, expected):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_task_gets_a_close_name_before_the_harness_indexes_its_own(tmp_path, monkeypatch):
+    """A misspelt task is refused with the close names, from a read of the harness's task files, before its
+    first full indexing (a minute on a slow disk): no index is built (none is cached)."""
+    from trmoe.errors import UserError
+    from trmoe.eval import load_tasks
+
+    monkeypatch.setenv("TRMOE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(UserError) as refused:
+        load_tasks(["arc_easyy"])
+    assert "unknown task 'arc_easyy'; did you mean arc_easy" in str(refused.value), refused.value
+    assert not (tmp_path / "cache").exists()  # refused before the harness's index was built (and cached)
 
 
 def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):

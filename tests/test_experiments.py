@@ -397,6 +397,39 @@ def test_mismatched_seed_count_and_token_budget_raise_warnings(smoke_sweep, tmp_
     assert "`trainer.steps`" in warnings
 
 
+def test_a_tracker_is_no_training_difference(tmp_path):
+    """Two runs of one recipe, one launched with `logger=tensorboard` (what records the run, not what it
+    trains): no warning (the report said "launched with different overrides: `logger`" and "Everything else
+    (model, ...) differs" for the logger section of the config)."""
+    for name, extra in (("plain", []), ("tracked", ["logger=tensorboard"])):
+        result = cli(
+            [*TINY_RUN, "data=random", "model.vocab_size=512", "hardware=cpu", *extra,
+             f"hydra.run.dir=runs/{name}"],
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "runs" / "tracked" / "tensorboard").is_dir()  # the tracker did record it
+    warnings = _report_warnings([tmp_path / "runs"], tmp_path / "report")
+    assert "differs" not in warnings and "different overrides" not in warnings, warnings
+    assert "logger" not in warnings, warnings
+
+
+def test_the_report_says_who_wrote_it_and_the_warmup_it_means(tmp_path):
+    """The sweep's own report names the callback that wrote it (it said `python -m trmoe.report`), a rerun
+    of the report names the tool; `optimizer.warmup_steps=null` reads as 5% of the horizon, with its steps
+    (it said `warmup None`)."""
+    tiny = [o for o in TINY_RUN if not o.startswith("optimizer.warmup_steps=")]
+    result = cli(["-m", "trainer.seed=1,2", *tiny, "hardware=cpu", "hydra.sweep.dir=sweep"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = compose_config(*tiny).trainer.steps
+    md = (tmp_path / "sweep" / "report.md").read_text()
+    assert "Written by the sweep's end (hydra.callbacks.report; rerun: `python -m trmoe.report" in md
+    assert f"warmup 5% of the horizon ({max(1, round(0.05 * steps))} of {steps} steps)" in md, md
+    again = cli([str(tmp_path / "sweep"), "--out", "again", "--no-plots"], tmp_path, module="trmoe.report")
+    assert again.returncode == 0, again.stderr
+    assert "Written by `python -m trmoe.report` on " in (tmp_path / "again" / "report.md").read_text()
+
+
 def test_failed_job_is_reported_and_does_not_stop_the_sweep(tmp_path):
     result = cli(
         ["-m", "routing.top_k=1,5,2", "data=random", "model.vocab_size=512", *TINY_RUN, "hardware=cpu",

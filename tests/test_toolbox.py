@@ -35,6 +35,23 @@ def test_progress_bar_mode_keeps_every_log_line_in_train_log(tmp_path, one_threa
         assert f"step {step} | eval " in console.out + console.err
 
 
+def test_an_mfu_above_the_peak_is_never_shown(tmp_path, one_thread):
+    """A window faster than the peak (a measured CPU peak that read low gave 105.8%) is no MFU: the cell is
+    empty, the log line says n/a, train.log says why once, and the report shows n/a (also when it derives
+    MFU from tok/s against a peak of its own)."""
+    from trmoe.report.runs import load_runs
+    from trmoe.report.summary import summarize
+
+    cfg = compose_config(*FAST, "trainer.steps=4", "hardware.peak_tflops=1e-9", "run.progress=log")
+    train(cfg, tmp_path / "r")
+    rows = [r for r in metrics_rows(tmp_path / "r") if r["step"] != "0"]
+    assert rows and all(float(r["tok_s"]) > 0 and r["mfu"] in ("", "nan") for r in rows), rows
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert log.count("MFU not shown: a window ran at ") == 1 and "| mfu n/a |" in log
+    (run,) = load_runs([tmp_path / "r"])
+    assert summarize(run).mfu is None and summarize(run, peak_override=1.0).mfu is None
+
+
 def test_mfu_and_peak_memory_are_metrics_columns(tmp_path, one_thread):
     cfg = compose_config(*FAST, "trainer.steps=4", "hardware.peak_tflops=0.5")
     train(cfg, tmp_path / "r")

@@ -27,9 +27,31 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def versions() -> str:
+    """`--version` of every tool: trmoe's, torch's and Hydra's (read from the installed packages: torch is
+    not imported)."""
+    from importlib.metadata import version
+
+    return f"trmoe {version('trmoe')} (torch {version('torch')}, hydra-core {version('hydra-core')})"
+
+
+def typed_prog(prog: str) -> str:
+    """`prog` ("python -m trmoe.<module> [command]") as the user typed it: a console script (`trmoe-sample`,
+    sys.argv[0]) names itself, so that a message's "see <prog> --help" is a command the user can run."""
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if not script.startswith("trmoe-") or not prog.startswith("python -m trmoe."):
+        return prog
+    command = prog.split(" ", 3)[3:]  # a subcommand after the module (`python -m trmoe.bench step`)
+    return " ".join([script, *command])
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors raise UserError ("<tool>: <error>; allowed: see <prog> --help"), which
-    the tool prints as one line (exit code 2) before it does any work."""
+    the tool prints as one line (exit code 2) before it does any work. Its prog is written as
+    `python -m trmoe.<module>` and shown as the user typed it (typed_prog)."""
+
+    def __init__(self, *args, prog: str | None = None, **kwargs) -> None:
+        super().__init__(*args, prog=typed_prog(prog) if prog else None, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if "allowed" not in message and "choose from" not in message:
@@ -58,8 +80,11 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
     """The exit code of a tool's `main(argv)` (sys.argv[1:] when argv is None): the int it returns (0 when
     it returns anything else, e.g. its result);
     a UserError or RunFailed as one line on stderr and its code; a SystemExit (--help, a signal's 128 + n)
-    as its code. Anything else is a bug and keeps its traceback."""
+    as its code. Anything else is a bug and keeps its traceback. `--version` prints `versions()`."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in args:  # every tool's, before its own parser (Hydra's flag prints Hydra's version only)
+        print(versions())
+        return 0
     try:
         code = main(args)
     except (UserError, RunFailed) as e:

@@ -44,6 +44,9 @@ def compose_error(e: BaseException) -> str:
             return unknown_key(cause.full_key, known)
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     head = lines[0] if lines else type(e).__name__
+    mistaken = _misread(head, e)
+    if mistaken:
+        return f"config error: {mistaken}"
     if isinstance(e, MissingConfigException):  # a group option that does not exist
         # Hydra lists no options for a group of groups (arm=<grid>/<arm>): the tree's folders then
         options = [o for o in e.options or [] if not o.startswith("base_")]
@@ -56,6 +59,38 @@ def compose_error(e: BaseException) -> str:
     if not detail and len(lines) > 1 and not lines[1].startswith(("To append", "See ")):
         detail = lines[1]
     return f"config error: {head}" + (f" ({detail})" if detail and detail not in head else "")
+
+
+def _misread(head: str, e: BaseException) -> str | None:
+    """What the user meant where Hydra's words point elsewhere: a sweep value without --multirun ("Ambiguous
+    value ... use it as a list"), `+group=` for a group the defaults list has ("Multiple values ... use
+    'override'"), an override without its `=` ("Error parsing override")."""
+    import re
+
+    from hydra.errors import OverrideParseException
+
+    ambiguous = re.match(r"Ambiguous value for argument '(.+?)'", head)
+    if ambiguous:
+        line = ambiguous.group(1)
+        key, _, value = line.partition("=")
+        as_list = "" if group_options(key.lstrip("+~")) else f" (or {key}=[{value}] for one list value)"
+        return f"{line}: a comma-separated value is a sweep; add --multirun to sweep it{as_list}"
+    twice = re.match(r"Multiple values for (\S+?)\. To override a value use 'override \1: (.+)'", head)
+    if twice:
+        group, value = twice.groups()
+        return (
+            f"+{group}={value}: {group} is a group the config already has (the + adds a new one); "
+            f"drop the +: {group}={value}"
+        )
+    if isinstance(e, OverrideParseException) and "=" not in e.override and not e.override.startswith("~"):
+        return missing_equals(e.override)
+    return None
+
+
+def missing_equals(override: str, following: str | None = None) -> str:
+    """The line for a command-line word that is no override: `key value` instead of `key=value`."""
+    fix = f"{override}={following}" if following is not None else f"{override}=<value>"
+    return f"{override}: an override needs its '=' (no spaces around it); write {fix}"
 
 
 def unknown_key(key: str, known: list[str]) -> str:

@@ -2,8 +2,9 @@
 
 A sweep's jobs are every combination of the grid's `hydra.sweeper.params` (from `experiment=<name>`) and
 of the comma-separated sweep overrides on the command line (`attention=gqa,mha`). `trmoe.match` solves each
-of them; the train app composes each before Hydra writes the sweep directory, so a misspelt value in the
-third job stops the launch with one line instead of after two jobs and a multirun.yaml.
+of them; the train app composes and validates each before Hydra writes the sweep directory, so a misspelt
+value in the third job, or a setting no job can run with, stops the launch with one line instead of after two
+jobs and a multirun.yaml.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from hydra.types import RunMode
 
 from trmoe.config.hydra_adapter import expand_sweep, parse_overrides
-from trmoe.config.resolve import check_group_overrides, compose_error, compose_packaged
+from trmoe.config.resolve import check_group_overrides, compose_error, compose_packaged, to_config
 from trmoe.errors import UserError
 
 
@@ -45,36 +46,90 @@ def check_launcher(cfg) -> None:
         )
 
 
-def check_jobs_compose(jobs: list[list[str]]) -> None:
-    """Compose every job's config (no validation: a job that composes but is invalid fails on its own, as
-    documented); the first that does not compose raises a one-line UserError naming its overrides. A
-    ladder's jobs are validated too, with their budgets (one per rung): a ladder is refused whole, since
-    its rungs are one fit."""
+def check_jobs(jobs: list[list[str]]) -> None:
+    """Compose and validate every job's config before Hydra writes anything. A job that does not compose
+    raises a one-line UserError naming its overrides. One that composes but is invalid fails on its own (the
+    other jobs run, as documented), unless every job is invalid: then nothing could run, and the sweep is
+    refused in one line naming the jobs, as a single run would be (`hardware=cuda` on a CPU). A ladder's jobs
+    are validated with their budgets (one per rung) and refused at the first fault, since its rungs are one
+    fit. The device a job asks for is checked here only when the launcher runs it on this machine."""
     from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
 
     checked_rungs: set[int] = set()
+    invalid: dict[str, list[int]] = {}
     with initialize_config_module(version_base="1.3", config_module="trmoe.conf"):
         for number, job in enumerate(jobs):
+            named = f"[sweep job {number}: {' '.join(job)}]"
             try:
                 overrides = [o for o in job if not o.startswith("hydra.")]
                 check_group_overrides(overrides)
-                cfg = compose("config", overrides=overrides)
-                if cfg.ladder.name is not None:
-                    _check_ladder(cfg, budgets=cfg.ladder.rung not in checked_rungs)
-                    checked_rungs.add(cfg.ladder.rung)
+                cfg = compose("config", overrides=overrides, return_hydra_config=True)
             except UserError as e:
-                raise UserError(f"{e} [sweep job {number}: {' '.join(job)}]") from None
+                raise UserError(f"{e} {named}") from None
             except Exception as e:
-                raise UserError(f"{compose_error(e)} [sweep job {number}: {' '.join(job)}]") from None
+                raise UserError(f"{compose_error(e)} {named}") from None
+            local = _runs_here(cfg)
+            with open_dict(cfg):
+                del cfg["hydra"]  # as Hydra hands the job its config
+            try:
+                checked = to_config(cfg)
+                if checked.ladder.name is not None:
+                    if checked.ladder.rung not in checked_rungs:
+                        _check_budgets(checked)
+                    checked_rungs.add(checked.ladder.rung)
+                if local:
+                    check_device(checked.hardware.device.value)
+            except UserError as e:
+                if cfg.ladder.name is not None:
+                    raise UserError(f"{e} {named}") from None
+                invalid.setdefault(str(e), []).append(number)
+    if jobs and sum(len(numbers) for numbers in invalid.values()) == len(jobs):
+        line, numbers = next(iter(invalid.items()))
+        others = "" if len(numbers) == len(jobs) else "; every other job is invalid too"
+        raise UserError(
+            f"{line} [sweep jobs {_numbers(numbers)} of {len(jobs)}{others}; nothing was launched]"
+        )
 
 
-def _check_ladder(cfg, budgets: bool) -> None:
-    """A ladder job's config, and (once per rung) its budgets (trmoe.config.ladder.plan, at one rank's
-    tokens per step)."""
+def _numbers(numbers: list[int]) -> str:
+    """Job numbers as a user reads them: `0-7` for a run of them, else `0, 2, 5`."""
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{numbers[0]}-{numbers[-1]}"
+    return ", ".join(map(str, numbers))
+
+
+def _runs_here(cfg) -> bool:
+    """Whether the job's launcher runs it on this machine (Hydra's basic launcher, submitit's local one), so
+    that this machine's devices are the job's: a SLURM job's GPUs are on its node, not here."""
+    target = str(cfg.hydra.launcher.get("_target_", ""))
+    return "BasicLauncher" in target or "LocalLauncher" in target
+
+
+_DEVICE_LINES: dict[str, str | None] = {}
+
+
+def check_device(device: str) -> None:
+    """hardware.device is available here, as the job will find it when it starts (trmoe.runtime.env): a
+    UserError otherwise. auto and cpu are always available; only another name loads torch to ask, once per
+    name and process."""
+    if device in ("auto", "cpu"):
+        return
+    if device not in _DEVICE_LINES:
+        from trmoe.runtime.env import pick_device
+
+        try:
+            pick_device(device, label="config error: hardware")
+            _DEVICE_LINES[device] = None
+        except UserError as e:
+            _DEVICE_LINES[device] = str(e)
+    if _DEVICE_LINES[device] is not None:
+        raise UserError(_DEVICE_LINES[device])
+
+
+def _check_budgets(checked) -> None:
+    """A ladder rung's budgets (trmoe.config.ladder.plan, at one rank's tokens per step)."""
     from trmoe.config.derived import global_batch_tokens
     from trmoe.config.ladder import plan
-    from trmoe.config.resolve import to_config
 
-    checked = to_config(cfg)
-    if budgets:
-        plan(checked, global_batch_tokens(checked.trainer, 1))
+    plan(checked, global_batch_tokens(checked.trainer, 1))

@@ -48,15 +48,14 @@ def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[Any, 
         raise UserError(f"include_path={include_path}: not a directory; allowed: a folder of task YAML files")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on every custom task: not a problem
     manager = _manager(include_path, defaults=False) if include_path is not None else None
-    if manager is None or not set(tasks) <= set(manager.all_tasks):
+    local = set(manager.all_tasks) if manager is not None else set()
+    if not set(tasks) <= local:
+        _refuse_unwritten([t for t in tasks if t not in local], sorted(local), include_path)
         manager = _manager(include_path, defaults=True)
     known = set(manager.all_tasks)
     for task in tasks:
         if task not in known:
-            raise UserError(
-                f"tasks: unknown task {task!r}; allowed: a task of `lm_eval ls tasks`"
-                + (f" or of {include_path}" if include_path else " (or include_path=<folder of task YAMLs>)")
-            )
+            raise UserError(_unknown_task(task, sorted(known), include_path))
     loaded = {}
     for task in tasks:
         try:
@@ -68,6 +67,31 @@ def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[Any, 
                 "task whose data is in the datasets cache, or a local task YAML (include_path)"
             ) from None
     return manager, loaded
+
+
+def _unknown_task(task: str, known: list[str], include_path: str | None) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(task, known, n=3)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"tasks: unknown task {task!r}; {hint}allowed: a task of `lm_eval ls tasks`" + (
+        f" or of {include_path}" if include_path else " (or include_path=<folder of task YAMLs>)"
+    )
+
+
+def _refuse_unwritten(tasks: list[str], local: list[str], include_path: str | None) -> None:
+    """Before the harness indexes its own tasks for the first time (a minute on a slow disk; later ones read
+    the cache): a name that none of its files contains is refused now, with the close names its YAMLs
+    declare."""
+    _harness()
+    from trmoe.eval.task_index import CachedTaskManager, is_cached, unwritten
+
+    root = CachedTaskManager.defaults
+    if not tasks or is_cached(root):
+        return
+    missing, declared = unwritten(root, tasks)
+    if missing:
+        raise UserError(_unknown_task(missing[0], sorted({*declared, *local}), include_path))
 
 
 def run_tasks(

@@ -14,6 +14,7 @@ import sys
 
 import trmoe.eval  # noqa: F401  (offline)
 import trmoe.eval.lm  # noqa: F401  (registers --model trmoe)
+from trmoe.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +38,37 @@ def _evaluate(argv: list[str]) -> None:
     try:
         _check_trmoe_checkpoint()
         cli_evaluate()
+    except Exception as e:
+        offline = next((c for c in _chain(e) if isinstance(c, ConnectionError)), None)
+        if offline is None:  # anything else is the harness's or a bug's: its traceback
+            raise
+        # datasets' offline refusal (the hub is off: trmoe.eval), which the harness lets out as a traceback
+        first = next(iter(str(offline).splitlines()), type(offline).__name__)[:200]
+        tasks = _argument(argv, "--tasks") or "?"
+        raise UserError(
+            f"lm-eval: --tasks {tasks}: a task's data is not available offline ({type(offline).__name__}: "
+            f"{first}); allowed: tasks whose data is in the datasets cache, or local task YAMLs "
+            "(--include_path)"
+        ) from None
     finally:
         sys.argv, lm_eval.tasks.TaskManager = saved, harness_manager
+
+
+def _chain(e: BaseException | None):
+    """The exception and those it was raised from or while handling."""
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _argument(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` (`--tasks a,b` or `--tasks=a,b`) in the harness's argv."""
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(f"{flag}="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def _check_trmoe_checkpoint() -> None:

@@ -55,6 +55,7 @@ class Report:
     markdown: str = ""
     study: Study | None = None  # an Optuna search: its jobs are ranked as trials, not compared as arms
     scaling: Scaling | None = None  # runs of a model ladder: the Scaling section
+    written_by: str = "`python -m trmoe.report`"  # or the sweep's callback (SWEEP_WRITER)
 
 
 def _count(n: int, noun: str) -> str:
@@ -140,7 +141,7 @@ def render_markdown(rep: Report, title: str) -> str:
         f"# Report: {title}",
         "",
         summary,
-        f"Written by `python -m trmoe.report` on {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Written by {rep.written_by} on {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         "## Warnings",
         "",
@@ -503,6 +504,10 @@ def parse_peak(text: str | float | None) -> float | None:
     return value
 
 
+# who wrote a report that the sweep's end wrote (a rerun of `python -m trmoe.report` says itself)
+SWEEP_WRITER = "the sweep's end (hydra.callbacks.report; rerun: `python -m trmoe.report <sweep dir>`)"
+
+
 def build_report(
     paths: list[Path],
     folder: Path | None = None,
@@ -512,6 +517,7 @@ def build_report(
     *,
     require_control: bool = False,
     scaling: Options | None = None,
+    written_by: str | None = None,
 ) -> Report:
     """Read the runs under `paths` and write the report files into `folder` (default: next to them).
     Bad input raises UserError before anything is written. A control that matches no arm is a warning in
@@ -549,6 +555,8 @@ def build_report(
     if spec and control_arm is None and study is None:
         warnings.insert(0, control_note)
     rep = Report(folder, runs, summaries, arms, control_arm, control_note, pairs, warnings, checklist)
+    if written_by is not None:
+        rep.written_by = written_by
     rep.study = study
     if study is None and any(is_ladder(r) for r in runs):
         rep.scaling = _scaling(runs, summaries, spec, scaling or Options())

@@ -32,13 +32,15 @@ class ReportCallback(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if not sweep_dir.is_dir():
             return
-        from trmoe.report.build import REPORT_MD, build_report
+        from trmoe.report.build import REPORT_MD, SWEEP_WRITER, build_report
         from trmoe.report.study import save_multirun_config
 
         save_multirun_config(sweep_dir, config)  # an Optuna sweep: its searched keys and study
 
         try:
-            rep = build_report([sweep_dir], sweep_dir, control=self.control, scaling=self.scaling)
+            rep = build_report(
+                [sweep_dir], sweep_dir, control=self.control, scaling=self.scaling, written_by=SWEEP_WRITER
+            )
         except Exception as e:  # the runs are written; a report problem must not hide them
             print(f"trmoe: the sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
             return

@@ -104,7 +104,8 @@ def _flatten(node: Any, prefix: str, out: dict[str, str]) -> None:
 def facts(run: Run, summary: Summary) -> dict[str, str]:
     rec = run.record
     out: dict[str, str] = {}
-    config = {k: v for k, v in run.config.items() if k != "run"}  # run.name / progress: presentation only
+    # run.name / progress: presentation only; logger: the trackers record the run, they train nothing
+    config = {k: v for k, v in run.config.items() if k not in ("run", "logger")}
     _flatten(config, "config", out)
     out.pop(f"config.{SEED_KEY}", None)  # the seed set is its own item
     _flatten(rec.get("data") or {}, "data", out)
@@ -173,6 +174,19 @@ class CheckItem:
     detail: str
 
 
+def _warmup(common: dict[str, str]) -> str:
+    """optimizer.warmup_steps as the schedule resolves it: None is 5% of the horizon (trmoe.optim.schedule),
+    shown as such with its number of steps where the horizon is the same for every run."""
+    warmup = common.get("config.optimizer.warmup_steps", "n/a")
+    if warmup != "None":
+        return warmup if warmup == "n/a" else f"{warmup} steps"
+    decay, steps = common.get("config.optimizer.decay_steps"), common.get("config.trainer.steps")
+    horizon = decay if decay not in (None, "None") else steps
+    if horizon is None or not horizon.isdigit():
+        return "5% of the horizon"
+    return f"5% of the horizon ({max(1, round(0.05 * int(horizon)))} of {horizon} steps)"
+
+
 def _same_detail(item: str, common: dict[str, str], arms: list[Arm]) -> str:
     get = common.get
     if item == "tokenizer":
@@ -195,8 +209,8 @@ def _same_detail(item: str, common: dict[str, str], arms: list[Arm]) -> str:
     if item == "optimizer":
         return (
             f"{get('config.optimizer.name', 'n/a')}, lr {get('config.optimizer.lr', 'n/a')}, schedule "
-            f"{get('config.optimizer.schedule', 'n/a')}, warmup "
-            f"{get('config.optimizer.warmup_steps', 'n/a')}, clip {get('config.trainer.grad_clip', 'n/a')}"
+            f"{get('config.optimizer.schedule', 'n/a')}, warmup {_warmup(common)}, clip "
+            f"{get('config.trainer.grad_clip', 'n/a')}"
         )
     if item == "hardware":
         return (

@@ -378,6 +378,10 @@ def load_runs(paths: list[Path]) -> list[Run]:
     return [load_run(p, root, sweeps) for p in found]
 
 
+HIDDEN_ROOTS = ("hydra", "logger")  # Hydra itself; the trackers, which record a run and do not change it
+
+
 def is_hidden_key(key: str) -> bool:
-    """Overrides of Hydra itself (hydra.*, hydra/launcher=...) and of run naming never define an arm."""
-    return re.split(r"[./]", key, maxsplit=1)[0] == "hydra" or key in IGNORED_KEYS
+    """Overrides of Hydra itself (hydra.*, hydra/launcher=...), of the trackers (logger=tensorboard,
+    logger.mlflow.*: what records a run, not what it trains) and of run naming never define an arm."""
+    return re.split(r"[./]", key, maxsplit=1)[0].lstrip("+~") in HIDDEN_ROOTS or key in IGNORED_KEYS

@@ -114,6 +114,8 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         world = world if isinstance(world, int) and world > 0 else 1  # a garbled record: as one device
         if flops and peak:  # tok/s is the whole job's, the peak one device's
             mfu = median_tok_s / world * flops / peak
+    if mfu is not None and mfu > 1:  # above the peak: that peak reads low, the figure is no utilisation
+        mfu = None
 
     tokens = value_at(run, end.final_step, "tokens")
     params = run.record.get("params") or {}

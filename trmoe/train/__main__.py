@@ -170,14 +170,15 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
 def _precheck(argv: list[str]) -> None:
     """What can be refused before Hydra writes anything: its command line, parsed as Hydra parses it but with
     one-line errors (Hydra prints its usage block); a group given more than one option; and every job of a
-    sweep, which must compose (Hydra writes multirun.yaml first, the jobs' configs one by one later). A
-    single run's composition errors come before any write."""
+    sweep, which must compose, and not be invalid all together (Hydra writes multirun.yaml first, the jobs'
+    configs one by one later). A single run's composition errors come before any write."""
     from trmoe.cli import Parser
     from trmoe.config.hydra_adapter import args_parser
     from trmoe.config.resolve import check_group_overrides
-    from trmoe.config.sweep import check_jobs_compose, sweep_jobs
+    from trmoe.config.sweep import check_jobs, sweep_jobs
 
     args = Parser(prog="python -m trmoe.train", parents=[args_parser()], add_help=False).parse_args(argv)
+    _check_equals(args.overrides)
     if args.config_dir or args.config_path or args.config_name or args.shell_completion:
         return  # another config tree than the packaged one: Hydra composes it (and reports its errors)
     check_group_overrides(args.overrides)
@@ -188,7 +189,19 @@ def _precheck(argv: list[str]) -> None:
         return  # only a grid (experiment=...) or a search switches to a sweep by itself
     jobs, multirun = sweep_jobs(args.overrides, cli_multirun=args.multirun)
     if args.multirun or multirun:
-        check_jobs_compose(jobs)
+        check_jobs(jobs)
+
+
+def _check_equals(overrides: list[str]) -> None:
+    """`trainer.steps 10`: Hydra says it cannot parse `trainer.steps`; the `=` is what is missing, and the
+    next word is the value meant."""
+    from trmoe.config.resolve import missing_equals
+
+    for i, word in enumerate(overrides):
+        if "=" in word or word.startswith("~"):  # an override, or a deletion (`~key`)
+            continue
+        following = overrides[i + 1] if i + 1 < len(overrides) and "=" not in overrides[i + 1] else None
+        raise UserError(f"config error: {missing_equals(word, following)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,20 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     return run(_main, argv)
 
 
-def versions() -> str:
-    """`--version`: trmoe's, torch's and Hydra's (read from the installed packages: torch is not imported)."""
-    from importlib.metadata import version
-
-    return f"trmoe {version('trmoe')} (torch {version('torch')}, hydra-core {version('hydra-core')})"
-
-
 def _main(argv: list[str]) -> int:
     global _task_started
     if _previous_sigint is not None and signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
         signal.signal(signal.SIGINT, _previous_sigint)  # from here on Ctrl-C is a KeyboardInterrupt
-    if "--version" in argv:  # Hydra's own flag prints Hydra's version only
-        print(versions())
-        return 0
     _task_started = False
     _failed_jobs.clear()
     saved = sys.argv

@@ -5,13 +5,15 @@ is `hardware.peak_tflops` when set, else the datasheet figure of a known GPU at 
 measured probe (a CPU, an unknown GPU): the best of several square GEMMs of PROBE_N at the run's precision and
 thread count, the fastest a real kernel ran here (a median of small GEMMs read low, and MFU above 100%).
 The peak and its source are recorded in run_config.json (`mfu_peak`) and a resumed run reuses them, so the
-MFU of a run's attempts is against one figure.
+MFU of a run's attempts is against one figure. A window faster than the peak is no MFU above 100%: its cell is
+left empty (nan) and train.log says why once.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import resource
 import sys
 import time
@@ -126,6 +128,7 @@ class EfficiencyMeter:
     ):
         self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
         self.source, self.world_size = source, world_size
+        self._said_above_peak = False
 
     def announce(self) -> None:
         log.info("MFU: %.3g FLOPs per token, peak %.4g TFLOP/s (%s)", self.flops_per_token, self.peak / 1e12,
@@ -138,7 +141,14 @@ class EfficiencyMeter:
         return self.columns(row["tok_s"] / self.world_size)
 
     def columns(self, tok_s_per_device: float) -> dict[str, float]:
-        return {
-            "mfu": tok_s_per_device * self.flops_per_token / self.peak,
-            "peak_mem_gib": peak_memory_gib(self.device),
-        }
+        mfu = tok_s_per_device * self.flops_per_token / self.peak
+        if mfu > 1:  # faster than the peak: the peak is wrong (a probe that read low), not the window
+            if not self._said_above_peak:
+                log.warning(
+                    "MFU not shown: a window ran at %.4g TFLOP/s, above the peak %.4g TFLOP/s (%s), so that "
+                    "peak reads low; set hardware.peak_tflops to the device's for an MFU column",
+                    tok_s_per_device * self.flops_per_token / 1e12, self.peak / 1e12, self.source,
+                )  # fmt: skip
+                self._said_above_peak = True
+            mfu = math.nan  # an empty MFU cell, as a column left out (trmoe.run.columns)
+        return {"mfu": mfu, "peak_mem_gib": peak_memory_gib(self.device)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 from trmoe.config.schema import Progress
@@ -47,8 +48,8 @@ class ProgressReporter:
         parts = [f"loss {row['train_loss']:.4f}", f"lr {row['lr']:.2e}", f"tok/s {row['tok_s']:.0f}"]
         if row.get("eval_loss") is not None:
             parts.insert(1, f"eval {row['eval_loss']:.4f}")
-        if row.get("mfu") is not None:
-            parts.append(f"mfu {100 * row['mfu']:.1f}%")
+        if row.get("mfu") is not None:  # nan: faster than the peak, which reads low (observe/meters.py)
+            parts.append(f"mfu {100 * row['mfu']:.1f}%" if math.isfinite(row["mfu"]) else "mfu n/a")
         if row.get("peak_mem_gib") is not None:
             parts.append(f"mem {row['peak_mem_gib']:.2f} GiB")
         if row.get("expert_imbalance") is not None:  # telemetry.moe
