@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,11 +24,18 @@ from trmoe.report.ladder import Options, is_ladder
 from trmoe.report.runs import Run, common_root, load_runs
 from trmoe.report.study import Study, load_study
 from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, summarize
+from trmoe.report.verdicts import Options as VerdictOptions
+from trmoe.report.verdicts import Section as Verdicts
+from trmoe.report.verdicts import analyse as analyse_verdicts
+from trmoe.report.verdicts import csv_rows as verdict_csv_rows
+from trmoe.report.verdicts import markdown as verdicts_markdown
+from trmoe.report.verdicts import parse_positive
 
 if TYPE_CHECKING:  # the Scaling section (scipy, the `report` extra) is imported where a ladder is read
     from trmoe.report.scaling import Scaling
 
 REPORT_MD, REPORT_CSV, PAIRS_CSV, PLOTS_DIR = "report.md", "report.csv", "report_pairs.csv", "plots"
+VERDICTS_CSV = "report_verdicts.csv"  # TOST verdicts and effective speed-ups (trmoe.report.verdicts.csv_rows)
 SCALING_CSV = "report_scaling.csv"  # a ladder's fits: one row per number (trmoe.report.scaling.rows)
 # report.csv: run, path, arm, swept.<key> for every swept key other than the seed, then these.
 RUN_COLUMNS = (
@@ -56,6 +62,7 @@ class Report:
     study: Study | None = None  # an Optuna search: its jobs are ranked as trials, not compared as arms
     scaling: Scaling | None = None  # runs of a model ladder: the Scaling section
     written_by: str = "`python -m trmoe.report`"  # or the sweep's callback (SWEEP_WRITER)
+    verdicts: Verdicts | None = None  # TOST verdicts, effective speed-up, time to target (with a control)
 
 
 def _count(n: int, noun: str) -> str:
@@ -239,6 +246,8 @@ def render_markdown(rep: Report, title: str) -> str:
 
     lines += _per_source_section(rep)
     lines += _accuracy_section(rep)
+    if rep.verdicts:
+        lines += verdicts_markdown(rep.verdicts, rep)
     if rep.scaling:
         from trmoe.report.scaling import markdown
 
@@ -428,15 +437,19 @@ def _runs_csv(rep: Report) -> str:
     return buf.getvalue()
 
 
-def _scaling_csv(scaling: Scaling) -> str:
-    from trmoe.report.scaling import rows
-
+def _dict_csv(table: list[dict], empty_header: str) -> str:
+    """CSV text of rows that are dicts with the same keys (a header of `empty_header` when there are none)."""
     buf = io.StringIO()
-    table = rows(scaling)
-    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else ["section"])
+    writer = csv.DictWriter(buf, fieldnames=list(table[0]) if table else [empty_header])
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
+
+
+def _scaling_csv(scaling: Scaling) -> str:
+    from trmoe.report.scaling import rows
+
+    return _dict_csv(rows(scaling), "section")
 
 
 def _pairs_csv(rep: Report) -> str:
@@ -454,6 +467,10 @@ def _pairs_csv(rep: Report) -> str:
             [p.arm.label, control, p.n, seeds, p.control_mean, p.arm_mean, p.mean, *ci, p.verdict]
         )
     return buf.getvalue()
+
+
+def _verdicts_csv(section: Verdicts) -> str:
+    return _dict_csv(verdict_csv_rows(section), "measure")
 
 
 def default_folder(paths: list[Path]) -> Path:
@@ -490,18 +507,8 @@ def _peak_line(arms) -> str:
 
 def parse_peak(text: str | float | None) -> float | None:
     """--peak-tflops: a positive finite number (TFLOP/s of one device), or None when not given."""
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise UserError(
-            f"report: --peak-tflops {text}: allowed: a positive number, the peak TFLOP/s of one device "
-            "(bf16 dense: H100/H200 989, A100 312)"
-        )
-    return value
+    allowed = "a positive number, the peak TFLOP/s of one device (bf16 dense: H100/H200 989, A100 312)"
+    return parse_positive("--peak-tflops", text, allowed)
 
 
 # who wrote a report that the sweep's end wrote (a rerun of `python -m trmoe.report` says itself)
@@ -518,6 +525,7 @@ def build_report(
     require_control: bool = False,
     scaling: Options | None = None,
     written_by: str | None = None,
+    verdicts: VerdictOptions | None = None,
 ) -> Report:
     """Read the runs under `paths` and write the report files into `folder` (default: next to them).
     Bad input raises UserError before anything is written. A control that matches no arm is a warning in
@@ -560,6 +568,14 @@ def build_report(
     rep.study = study
     if study is None and any(is_ladder(r) for r in runs):
         rep.scaling = _scaling(runs, summaries, spec, scaling or Options())
+    accuracy_pairs = {
+        c: paired(arms, control_arm, summaries, lambda s, c=c: s.accuracies.get(c))
+        if control_arm is not None
+        else []
+        for c in accuracy_columns(rep)
+    }
+    if study is None:
+        rep.verdicts = analyse_verdicts(rep, verdicts or VerdictOptions(), accuracy_pairs)
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -573,12 +589,6 @@ def build_report(
     title = str(paths[0]) if len(paths) == 1 else f"{len(paths)} paths under {folder}"
     try:
         if make_plots and plots.available():
-            accuracy_pairs = {
-                c: paired(arms, control_arm, summaries, lambda s, c=c: s.accuracies.get(c))
-                if control_arm is not None
-                else []
-                for c in accuracy_columns(rep)
-            }
             rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR, accuracy_pairs)
             rep.plots += plots.plot_scaling(rep.scaling, folder / PLOTS_DIR) if rep.scaling else []
         rep.markdown = render_markdown(rep, title)
@@ -586,6 +596,7 @@ def build_report(
             (REPORT_CSV, _runs_csv(rep)),
             (PAIRS_CSV, _pairs_csv(rep)),
             *([(SCALING_CSV, _scaling_csv(rep.scaling))] if rep.scaling else []),
+            *([(VERDICTS_CSV, _verdicts_csv(rep.verdicts))] if rep.verdicts else []),
             (REPORT_MD, rep.markdown),
         ):
             write_file(folder / name, text)

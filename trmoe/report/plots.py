@@ -1,7 +1,8 @@
 """PNG plots of a report (matplotlib, the optional `report` extra): loss vs tokens per run and overlaid,
-throughput, paired differences, expert shares per layer when a run recorded telemetry, and one figure of each
-other column the runs' producers declare with `plot=True` (`plot_column`; units from the declarations too,
-trmoe.report.runs: a new per-step metric is plotted with no change here)."""
+held-out loss vs tokens beside vs wall-clock, throughput, paired differences, expert shares per layer when a
+run recorded telemetry, and one figure of each other column the runs' producers declare with `plot=True`
+(`plot_column`; units from the declarations too, trmoe.report.runs: a new per-step metric is plotted with no
+change here)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,27 @@ def plot_overlay(arms: list[Arm], path: Path) -> None:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
         fig.subplots_adjust(bottom=0.12 + 0.05 * math.ceil(len(labels) / 3), top=0.92, wspace=0.05)
     save(fig, path, tight=False)
+
+
+def plot_wallclock(arms: list[Arm], path: Path) -> None:
+    """Held-out loss against tokens and, beside it, against training wall-clock (elapsed_s: evaluation
+    excluded): an arm that wins per token can lose per second."""
+    plt, colors = pyplot(), _colors(arms)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    _per_arm(axes[0], arms, "eval_loss", "o-")
+    for arm in arms:
+        for run in arm.runs:
+            xy = [(r.get("elapsed_s", math.nan), r.get("eval_loss", math.nan)) for r in run.rows]
+            xy = [p for p in xy if math.isfinite(p[0] + p[1])]
+            if xy:
+                axes[1].plot(*zip(*xy, strict=True), "o-", color=colors[arm.label], markersize=3)
+    for ax, x in ((axes[0], "tokens"), (axes[1], "training wall-clock (s, evaluation excluded)")):
+        ax.set(xlabel=x, title=f"held-out loss vs {x.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"cross-entropy ({declaration(_runs(arms), 'eval_loss').unit})")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    save(fig, path)
 
 
 def plot_throughput(arms: list[Arm], path: Path) -> None:
@@ -260,6 +282,9 @@ def write_plots(
     overlay = folder / "loss_vs_tokens.png"
     plot_overlay(arms, overlay)
     written.append(overlay)
+    wallclock = folder / "loss_vs_wallclock.png"
+    plot_wallclock(arms, wallclock)
+    written.append(wallclock)
     throughput = folder / "tok_s.png"
     plot_throughput(arms, throughput)
     written.append(throughput)
