@@ -7,6 +7,10 @@ arm against the control: the compute multiplier k with L*_control(k·C) = L*_arm
 (the geometric mean C of the control's fit points there) and at the targets' C, κ = C/(N·D) interpolated
 in log C (trmoe.report.ladder.kappa_at). Per arm: a backtest (fit without the largest rung, predict it).
 Downstream: the two-step fit of trmoe.report.accuracy_fit.
+
+Over 400 lines on purpose: the section is one story from the fits to what is printed, and its honesty
+checks (not identified, the interpolated fallback, not estimable, ln V) must be read beside the figures they
+withhold; split, a reader would have to hold two modules to know why a number is missing.
 """
 
 from __future__ import annotations
