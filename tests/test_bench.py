@@ -63,7 +63,7 @@ BAD_INPUTS = [  # (command line after `python -m trmoe.bench`, what its one line
     (["ffn", "--reps", "-5"], ["--reps", "'-5'", ">= 1"]),
     (["ffn", "--dtype", "float99"], ["--dtype", "'float99'", "'float32', 'bfloat16'"]),
     (["dispatch", "--device", "bogus"], ["bench dispatch", "--device", "'bogus'", "'cpu'"]),
-    (["dispatch", "--strategy", "bogus"], ["--strategy", "'modulo_cyclic', 'random'"]),
+    (["dispatch", "--strategy", "bogus"], ["--strategy", "'bogus'", "'modulo_cyclic'", "'random'"]),
     (["dispatch", "--compile"], ["--compile", "python -m trmoe.bench dispatch --help"]),
     (["loss", "--kinds", "chunked", "bogus"], ["bench loss", "--kinds", "'bogus'", "'chunked', 'torch'"]),
     (["step", "--model", "nope"], ["bench step", "--model", "'nope'", "'tiny'"]),

@@ -9,6 +9,8 @@ jobs and a multirun.yaml.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hydra.types import RunMode
 
 from trmoe.config.hydra_adapter import expand_sweep, parse_overrides
@@ -46,13 +48,14 @@ def check_launcher(cfg) -> None:
         )
 
 
-def check_jobs(jobs: list[list[str]]) -> None:
+def check_jobs(jobs: list[list[str]], pick_device: Callable[..., object] | None = None) -> None:
     """Compose and validate every job's config before Hydra writes anything. A job that does not compose
     raises a one-line UserError naming its overrides. One that composes but is invalid fails on its own (the
     other jobs run, as documented), unless every job is invalid: then nothing could run, and the sweep is
     refused in one line naming the jobs, as a single run would be (`hardware=cuda` on a CPU). A ladder's jobs
     are validated with their budgets (one per rung) and refused at the first fault, since its rungs are one
-    fit. The device a job asks for is checked here only when the launcher runs it on this machine."""
+    fit. The device a job asks for is checked (by `pick_device`, trmoe.runtime.env's: the caller's, as this
+    layer loads no torch) only when the launcher runs it on this machine."""
     from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
@@ -78,8 +81,8 @@ def check_jobs(jobs: list[list[str]]) -> None:
                     if checked.ladder.rung not in checked_rungs:
                         _check_budgets(checked)
                     checked_rungs.add(checked.ladder.rung)
-                if local:
-                    check_device(checked.hardware.device.value)
+                if local and pick_device is not None:
+                    check_device(checked.hardware.device.value, pick_device)
             except UserError as e:
                 if cfg.ladder.name is not None:
                     raise UserError(f"{e} {named}") from None
@@ -109,15 +112,13 @@ def _runs_here(cfg) -> bool:
 _DEVICE_LINES: dict[str, str | None] = {}
 
 
-def check_device(device: str) -> None:
-    """hardware.device is available here, as the job will find it when it starts (trmoe.runtime.env): a
-    UserError otherwise. auto and cpu are always available; only another name loads torch to ask, once per
-    name and process."""
+def check_device(device: str, pick_device: Callable[..., object]) -> None:
+    """hardware.device is available here, as the job will find it when it starts (`pick_device`,
+    trmoe.runtime.env's): a UserError otherwise. auto and cpu are always available; only another name asks
+    (loading torch), once per name and process."""
     if device in ("auto", "cpu"):
         return
     if device not in _DEVICE_LINES:
-        from trmoe.runtime.env import pick_device
-
         try:
             pick_device(device, label="config error: hardware")
             _DEVICE_LINES[device] = None

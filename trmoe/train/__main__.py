@@ -189,7 +189,14 @@ def _precheck(argv: list[str]) -> None:
         return  # only a grid (experiment=...) or a search switches to a sweep by itself
     jobs, multirun = sweep_jobs(args.overrides, cli_multirun=args.multirun)
     if args.multirun or multirun:
-        check_jobs(jobs)
+        check_jobs(jobs, pick_device=_pick_device)
+
+
+def _pick_device(name: str, *, label: str):
+    """trmoe.runtime.env.pick_device, imported (with torch) only when a job names a device to look for."""
+    from trmoe.runtime.env import pick_device
+
+    return pick_device(name, label=label)
 
 
 def _check_equals(overrides: list[str]) -> None:
