@@ -217,3 +217,66 @@ def test_bad_init_from_is_one_line_exit_2_nothing_written(parent, tmp_path, over
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "runs" / "b").exists()
     assert tree_digest(parent) == before
+
+
+def _tables(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k.endswith("route_table")}
+
+
+def test_route_tables_follow_the_new_config_not_the_parents(parent, tmp_path):
+    """A modulo_cyclic parent started with routing=random routes by random's tables (those a fresh
+    routing=random run builds), says so in train.log and records which tables it replaced; the weights are
+    still the parent's."""
+    source = load_checkpoint(parent / "checkpoints" / "step_00000008")
+    fresh = _tables(_first_state(tmp_path / "fresh", "routing=random")["model"])
+    seen = _first_state(
+        tmp_path / "b", f"trainer.init_from={parent}/checkpoints/step_00000008", "routing=random"
+    )["model"]
+    assert fresh and all(not torch.equal(fresh[k], source["model"][k]) for k in fresh)
+    _assert_equal_tensors(_tables(seen), fresh)
+    _assert_equal_tensors(
+        {k: v for k, v in seen.items() if k not in fresh},
+        {k: v for k, v in source["model"].items() if k not in fresh},
+    )
+    record = json.loads((tmp_path / "b" / "run_config.json").read_text())["init_from"]
+    assert record["followed"] == sorted(fresh)
+    assert "follow this config's routing" in (tmp_path / "b" / "train.log").read_text()
+    # the parent's own routing: its tables, nothing replaced
+    same = _first_state(tmp_path / "c", f"trainer.init_from={parent}/checkpoints/step_00000008")["model"]
+    _assert_equal_tensors(_tables(same), _tables(source["model"]))
+    assert json.loads((tmp_path / "c" / "run_config.json").read_text())["init_from"]["followed"] == []
+
+
+@pytest.mark.parametrize(
+    ("parent_routing", "routing", "names"),
+    [
+        ("learned", "frozen_router", "blocks.0.ffn.router would carry"),
+        ("frozen_router", "learned", "blocks.0.ffn.router would carry"),
+    ],
+)
+def test_router_state_from_another_strategy_is_refused(tmp_path, parent_routing, routing, names):
+    """A learned router's W_r carried into frozen_router would freeze the parent's trained router (and a
+    frozen one would start training): one line naming the tensor, exit 2, nothing written."""
+    train_in_process(tmp_path / "p", "trainer.steps=4", f"routing={parent_routing}")
+    before = tree_digest(tmp_path / "p")
+    out = cli(
+        [*RESUME_BASE, "run.name=b", f"routing={routing}", f"trainer.init_from={tmp_path / 'p'}"], tmp_path
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert names in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"layer 0 routes by {parent_routing}, this config's by {routing}" in out.stderr
+    assert not (tmp_path / "runs" / "b").exists() and tree_digest(tmp_path / "p") == before
+    # the parent's own strategy carries it
+    assert (
+        cli(
+            [
+                *RESUME_BASE,
+                "run.name=ok",
+                "trainer.steps=2",
+                f"routing={parent_routing}",
+                f"trainer.init_from={tmp_path / 'p'}",
+            ],
+            tmp_path,
+        ).returncode
+        == 0
+    )

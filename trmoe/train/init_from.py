@@ -4,8 +4,8 @@ from another run").
     trainer.init_from=<path>     a run directory, its checkpoints/ or one step_XXXXXXXX (its newest complete
                                  checkpoint), a `python -m trmoe.convert` output (a run directory), or a
                                  `python -m trmoe.export` directory (format hf or safetensors)
-    trainer.init_state=weights   the weights and route tables only: step 0, a fresh optimizer, data from the
-                                 first sample (a warm start, fine-tuning)
+    trainer.init_state=weights   the weights only: step 0, a fresh optimizer, data from the first sample (a
+                                 warm start, fine-tuning)
                        optimizer the weights and the optimizer's state (moments, step counts): step 0
                        branch    weights, optimizer, data cursor, RNG, step and training time: the run goes
                                  on from the parent's step under its own config (trainer.steps, the LR
@@ -17,6 +17,12 @@ new run continues its own checkpoints and keeps that record, and a kill before i
 it from the parent again. Everything is checked before anything is written: the path, the tensors' names and
 shapes against the model this config builds, and what `init_state` needs (an optimizer state and a train
 state in the parent, trainer.steps beyond its step, the same tokens per step and the same data).
+
+What the new config defines is the new config's, never the parent's: the route tables are those this config
+builds (the parent's are replaced, logged and recorded as `followed`), the scheduled gates, the μP multipliers
+and a rerandomised router's draw are set from the config as in any run; learned state that only means what it
+means under the parent's routing (a router's W_r, learned_v3's balancing bias) is carried only into a layer
+that routes by the same strategy, else refused in one line naming the tensor.
 
 The content hash is the SHA-256 of the parent's file records (the size and CRC32 of every file, verified
 against the bytes before they are used; an export's model.safetensors is checksummed here): it names the
@@ -71,6 +77,7 @@ class InitSource:
     content_hash: str
     info: CheckpointInfo | None = None  # a trmoe checkpoint (checkpoint, converted)
     export_config: dict[str, Any] = field(default_factory=dict)
+    followed: list[str] = field(default_factory=list)  # what apply() set from this config, not the parent
 
     @property
     def parent_run(self) -> Path:
@@ -89,6 +96,7 @@ class InitSource:
             "kind": self.kind,
             "content_hash": self.content_hash,
             "carried": self.state.value,
+            "followed": list(self.followed),
         }
 
     # -------------------------------------------------------------------------------------------- loading
@@ -122,6 +130,8 @@ class InitSource:
     def apply(self, trainer) -> None:
         """Into a built Trainer at its start: the weights, and what init_state carries besides."""
         model = trainer.model
+        # the route tables this config built: the parent's are replaced by them after the load
+        built = {i: b.ffn.routed.route_table.clone() for i, b in enumerate(model.blocks) if _table(b)}
         if self.state == InitState.weights:
             _load_weights(model, self.weights())
         else:  # the store's own load: weights and optimizer state, whatever the format and the sharding
@@ -133,6 +143,18 @@ class InitSource:
                 for evaluator in trainer.evaluators:  # the branch point is scored, as step 0 of a run is
                     if getattr(evaluator, "cadence", NEVER) != NEVER:
                         evaluator.cadence = evaluator.cadence | Cadence(at=(self.step,))
+        changed = [
+            i for i, table in built.items() if not torch.equal(model.blocks[i].ffn.routed.route_table, table)
+        ]
+        for i in changed:
+            model.blocks[i].ffn.routed.set_route_table(built[i])
+        if changed:
+            self.followed = [f"blocks.{i}.ffn.routed.route_table" for i in changed]
+            log.warning(
+                "%s: the route tables of layers %s follow this config's routing (the parent's differ)",
+                KEY,
+                ", ".join(map(str, changed)),
+            )
         log.info(
             "%s: %s of %s (step %d, %s), content %s",
             KEY,
@@ -142,6 +164,45 @@ class InitSource:
             self.kind,
             self.content_hash[:12],
         )
+
+
+def _table(block) -> bool:
+    return block.ffn.routed is not None and block.ffn.routed.route_table is not None
+
+
+# learned state whose meaning is the parent's routing: carried only into a layer of the same strategy
+ROUTER_STATE = ("ffn.router", "ffn.route_bias")
+
+
+def _parent_strategies(source: InitSource) -> tuple[str, ...] | None:
+    """The parent's routing strategy per layer (None: it does not say)."""
+    if source.info is not None:
+        from trmoe.config.spec import model_spec
+
+        stored = stored_config(source.info.meta)
+        return model_spec(stored).strategies if stored is not None else None
+    spec = source.export_config.get("trmoe_model_spec")
+    if isinstance(spec, dict) and "num_layers" in spec:
+        return tuple(spec.get("layer_strategies") or [spec.get("strategy")] * int(spec["num_layers"]))
+    return None
+
+
+def _check_router_state(source: InitSource, cfg: Config, new: dict[str, tuple[int, ...]]) -> None:
+    """A router's W_r or learned_v3's bias trained under one strategy is another thing under another (a
+    learned router carried into frozen_router would be frozen at the parent's trained W_r): refused."""
+    from trmoe.config.spec import model_spec
+
+    ours, theirs = model_spec(cfg).strategies, _parent_strategies(source)
+    for layer, strategy in enumerate(ours):
+        names = [f"blocks.{layer}.{n}" for n in ROUTER_STATE if f"blocks.{layer}.{n}" in new]
+        parent = theirs[layer] if theirs is not None and layer < len(theirs) else None
+        if names and parent != strategy:
+            said = f"routes by {parent}" if parent is not None else "does not record its routing"
+            raise UserError(
+                f"{KEY}={source.path}: the parent's layer {layer} {said}, this config's by {strategy}: "
+                f"{names[0]} would carry the parent's; allowed: a parent with the same routing.strategy "
+                "(routing.layers) at its router layers (nothing was written)"
+            )
 
 
 def _strip(name: str, config: dict[str, Any]) -> str:
@@ -239,6 +300,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
             f"{KEY}={source.path}: another model shape ({len(changed)} tensors differ, e.g. {example}); "
             "allowed: a parent whose model.* builds the same tensors (nothing was written)"
         )
+    _check_router_state(source, cfg, new)
     if source.state != InitState.weights:
         _check_carried(source, cfg, model, world_size)
     return source
