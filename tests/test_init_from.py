@@ -280,3 +280,31 @@ def test_router_state_from_another_strategy_is_refused(tmp_path, parent_routing,
         ).returncode
         == 0
     )
+
+
+def test_a_branch_that_scores_another_held_out_set_says_so_and_records_it(parent, tmp_path):
+    """Another micro-batch split of the same tokens per step scores eval_batches x micro_batch windows: half
+    the parent's at micro_batch 2. The branch says so in train.log (with the eval_batches that keeps the
+    parent's set) and records both sizes; with that eval_batches its branch-point evaluation is the one the
+    parent's own split gives."""
+    branch = [f"trainer.init_from={parent}/checkpoints/step_00000008", "trainer.init_state=branch"]
+    split = ["trainer.micro_batch=2", "trainer.grad_accum=2", "trainer.steps=9"]
+    train_in_process(tmp_path / "own", *branch, "trainer.steps=9")
+    train_in_process(tmp_path / "half", *branch, *split)
+    train_in_process(tmp_path / "kept", *branch, *split, "trainer.eval_batches=4")
+
+    def first_eval(name: str) -> float:
+        return float(metrics_rows(tmp_path / name)[0]["eval_loss"])
+
+    def recorded(name: str) -> dict:
+        return json.loads((tmp_path / name / "run_config.json").read_text())["init_from"]
+
+    log = (tmp_path / "half" / "train.log").read_text()
+    assert "the parent scored 8 held-out windows, this run scores 4" in log
+    assert "trainer.eval_batches=4 scores the parent's set" in log
+    assert recorded("half")["held_out_windows"] == {"parent": 8, "run": 4}
+    assert first_eval("half") != pytest.approx(first_eval("own"), rel=1e-6)  # another set
+    for name in ("own", "kept"):
+        assert "held_out_windows" not in recorded(name)
+        assert "held-out windows" not in (tmp_path / name / "train.log").read_text()
+    assert first_eval("kept") == pytest.approx(first_eval("own"), rel=1e-5)

@@ -16,7 +16,8 @@ the parent (`init_from`: path, run directory, step, kind, content hash and what 
 new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
 it from the parent again. Everything is checked before anything is written: the path, the tensors' names and
 shapes against the model this config builds, and what `init_state` needs (an optimizer state and a train
-state in the parent, trainer.steps beyond its step, the same tokens per step and the same data).
+state in the parent, trainer.steps beyond its step, the same tokens per step and the same data). A branch
+that scores another held-out set (eval_batches x micro_batch windows) than its parent says so and records it.
 
 What the new config defines is the new config's, never the parent's: the route tables are those this config
 builds (the parent's are replaced, logged and recorded as `followed`), the scheduled gates, the μP multipliers
@@ -78,6 +79,8 @@ class InitSource:
     info: CheckpointInfo | None = None  # a trmoe checkpoint (checkpoint, converted)
     export_config: dict[str, Any] = field(default_factory=dict)
     followed: list[str] = field(default_factory=list)  # what apply() set from this config, not the parent
+    # a branch that scores another held-out set than its parent: (the parent's windows, this run's)
+    held_out: tuple[int, int] | None = None
 
     @property
     def parent_run(self) -> Path:
@@ -97,6 +100,11 @@ class InitSource:
             "content_hash": self.content_hash,
             "carried": self.state.value,
             "followed": list(self.followed),
+            **(
+                {"held_out_windows": {"parent": self.held_out[0], "run": self.held_out[1]}}
+                if self.held_out
+                else {}
+            ),
         }
 
     # -------------------------------------------------------------------------------------------- loading
@@ -155,6 +163,14 @@ class InitSource:
                 KEY,
                 ", ".join(map(str, changed)),
             )
+        if self.held_out is not None:
+            log.warning(
+                "%s (init_state=branch): the parent scored %d held-out windows, this run scores %d "
+                "(trainer.eval_batches x micro_batch): its eval_loss is not comparable with the parent's%s",
+                KEY,
+                *self.held_out,
+                _same_set_hint(self.held_out[0], trainer.cfg.trainer.micro_batch),
+            )
         log.info(
             "%s: %s of %s (step %d, %s), content %s",
             KEY,
@@ -164,6 +180,12 @@ class InitSource:
             self.kind,
             self.content_hash[:12],
         )
+
+
+def _same_set_hint(windows: int, micro_batch: int) -> str:
+    if windows % micro_batch:
+        return ""
+    return f"; trainer.eval_batches={windows // micro_batch} scores the parent's set"
 
 
 def _table(block) -> bool:
@@ -309,7 +331,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
-    from trmoe.config.derived import global_batch_tokens
+    from trmoe.config.derived import eval_windows, global_batch_tokens
     from trmoe.optim.build import group_layout
 
     info, state = source.info, source.state.value
@@ -348,3 +370,8 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
         ) from None
     if not isinstance(local, dict) or "step" not in local:
         raise UserError(f"trainer.init_state=branch: {info.path} holds no train state; allowed: weights")
+    # the held-out set is the first eval_batches x micro_batch windows: another micro-batch split of the same
+    # tokens per step (or another eval_batches) scores another set, which the branch says and records
+    parent_windows = (info.meta.get("derived") or {}).get("eval_windows")
+    if isinstance(parent_windows, int) and parent_windows != eval_windows(cfg.trainer):
+        source.held_out = (parent_windows, eval_windows(cfg.trainer))
