@@ -308,3 +308,42 @@ def test_a_branch_that_scores_another_held_out_set_says_so_and_records_it(parent
         assert "held_out_windows" not in recorded(name)
         assert "held-out windows" not in (tmp_path / name / "train.log").read_text()
     assert first_eval("kept") == pytest.approx(first_eval("own"), rel=1e-5)
+
+
+def test_a_restart_whose_parent_was_replaced_is_refused(parent, tmp_path):
+    """A branch killed before its first checkpoint starts from its parent again; when another valid
+    checkpoint (another run's, same shapes) has replaced the parent at the same path since, the launch
+    refuses in one line naming both contents (its record names the first), exit 2, the run directory as it
+    was; with the parent restored it restarts."""
+    import shutil
+
+    shutil.copytree(parent, tmp_path / "p")
+    source = tmp_path / "p" / "checkpoints" / "step_00000008"
+    run_dir = tmp_path / "runs" / "b"
+    args = [f"trainer.init_from={source}", "trainer.init_state=branch", "run.name=b"]
+
+    def killed(trainer, stop) -> float:  # before the first checkpoint, as a SIGKILL at step 9 would
+        trainer.start()
+        raise KeyboardInterrupt
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.run(compose_config(*RESUME_BASE, *args), run_dir, killed)
+    finally:
+        torch.set_num_threads(threads)
+    recorded = json.loads((run_dir / "run_config.json").read_text())["init_from"]["content_hash"]
+    train_in_process(tmp_path / "other", "trainer.steps=8", "trainer.seed=7")
+    kept = tmp_path / "kept"
+    source.rename(kept)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step_00000008", source)
+    before = tree_digest(run_dir)
+    out = cli([*RESUME_BASE, *args], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and "not the parent this run started from" in out.stderr
+    assert f"content {recorded[:12]} then" in out.stderr, out.stderr
+    assert tree_digest(run_dir) == before
+    shutil.rmtree(source)
+    kept.rename(source)
+    assert cli([*RESUME_BASE, *args], tmp_path).returncode == 0
+    assert json.loads((run_dir / "run_config.json").read_text())["init_from"]["content_hash"] == recorded

@@ -14,8 +14,9 @@ from another run").
 The new run is a run directory of its own: the parent is only read, never written. run_config.json records
 the parent (`init_from`: path, run directory, step, kind, content hash and what was carried); a resume of the
 new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
-it from the parent again. Everything is checked before anything is written: the path, the tensors' names and
-shapes against the model this config builds, and what `init_state` needs (an optimizer state and a train
+it from the parent again (refused when the parent's content is no longer the recorded one). Everything is
+checked before anything is written: the path, the tensors' names and shapes against the model this config
+builds, and what `init_state` needs (an optimizer state and a train
 state in the parent, trainer.steps beyond its step, the same tokens per step and the same data). A branch
 that scores another held-out set (eval_batches x micro_batch windows) than its parent says so and records it.
 
@@ -309,6 +310,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
     if cfg.trainer.init_from is None or launch.mode not in ("fresh", "restart"):
         return None
     source = find(cfg)
+    _check_same_parent(source, (launch.previous or {}).get("init_from"))
     model = meta_model(cfg)
     new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
@@ -326,6 +328,21 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
     if source.state != InitState.weights:
         _check_carried(source, cfg, model, world_size)
     return source
+
+
+def _check_same_parent(source: InitSource, recorded: Any) -> None:
+    """A restart (killed before its first checkpoint) starts from the parent again: the bytes its first
+    attempt recorded, or not at all. A parent replaced since (a newer checkpoint in a run directory, another
+    valid checkpoint copied over the same path) would start a run whose record names other bytes: refused."""
+    if not isinstance(recorded, dict) or not recorded.get("content_hash"):
+        return
+    then, now = str(recorded["content_hash"]), source.content_hash
+    if then != now:
+        raise UserError(
+            f"{KEY}={source.path}: not the parent this run started from (step {recorded.get('step')}, "
+            f"content {then[:12]} then; step {source.step}, content {now[:12]} now); allowed: the parent it "
+            "started from (restore it), or another run.name for a new run from this one (nothing was written)"
+        )
 
 
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
