@@ -301,7 +301,7 @@ def test_a_branch_that_scores_another_held_out_set_says_so_and_records_it(parent
 
     log = (tmp_path / "half" / "train.log").read_text()
     assert "the parent scored 8 held-out windows, this run scores 4" in log
-    assert "trainer.eval_batches=4 scores the parent's set" in log
+    assert "trainer.eval_batches=4 scores its set" in log
     assert recorded("half")["held_out_windows"] == {"parent": 8, "run": 4}
     assert first_eval("half") != pytest.approx(first_eval("own"), rel=1e-6)  # another set
     for name in ("own", "kept"):

@@ -16,15 +16,14 @@ the parent (`init_from`: path, run directory, step, kind, content hash and what 
 new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
 it from the parent again (refused when the parent's content is no longer the recorded one). Everything is
 checked before anything is written: the path, the tensors' names and shapes against the model this config
-builds, and what `init_state` needs (an optimizer state and a train
-state in the parent, trainer.steps beyond its step, the same tokens per step and the same data). A branch
-that scores another held-out set (eval_batches x micro_batch windows) than its parent says so and records it.
+builds, and what `init_state` needs (an optimizer state and a train state in the parent, trainer.steps
+beyond its step, the same tokens per step and the same data). A branch that scores another held-out set
+(eval_batches x micro_batch windows) than its parent says so and records it.
 
-What the new config defines is the new config's, never the parent's: the route tables are those this config
-builds (the parent's are replaced, logged and recorded as `followed`), the scheduled gates, the μP multipliers
-and a rerandomised router's draw are set from the config as in any run; learned state that only means what it
-means under the parent's routing (a router's W_r, learned_v3's balancing bias) is carried only into a layer
-that routes by the same strategy, else refused in one line naming the tensor.
+What the new config defines is its own, never the parent's: its route tables replace the parent's (logged,
+recorded as `followed`); scheduled gates, μP multipliers and a rerandomised router's draw come from the
+config as in any run; learned routing state (a router's W_r, learned_v3's bias) is carried only into a
+layer of the parent's strategy, else refused in one line naming the tensor.
 
 The content hash is the SHA-256 of the parent's file records (the size and CRC32 of every file, verified
 against the bytes before they are used; an export's model.safetensors is checksummed here): it names the
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 
 from trmoe.config.schema import Config, InitState
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
@@ -80,8 +80,7 @@ class InitSource:
     info: CheckpointInfo | None = None  # a trmoe checkpoint (checkpoint, converted)
     export_config: dict[str, Any] = field(default_factory=dict)
     followed: list[str] = field(default_factory=list)  # what apply() set from this config, not the parent
-    # a branch that scores another held-out set than its parent: (the parent's windows, this run's)
-    held_out: tuple[int, int] | None = None
+    held_out: dict[str, Any] | None = None  # a branch scoring another held-out set: windows, its line
 
     @property
     def parent_run(self) -> Path:
@@ -101,11 +100,7 @@ class InitSource:
             "content_hash": self.content_hash,
             "carried": self.state.value,
             "followed": list(self.followed),
-            **(
-                {"held_out_windows": {"parent": self.held_out[0], "run": self.held_out[1]}}
-                if self.held_out
-                else {}
-            ),
+            **({"held_out_windows": self.held_out["windows"]} if self.held_out else {}),
         }
 
     # -------------------------------------------------------------------------------------------- loading
@@ -139,8 +134,7 @@ class InitSource:
     def apply(self, trainer) -> None:
         """Into a built Trainer at its start: the weights, and what init_state carries besides."""
         model = trainer.model
-        # the route tables this config built: the parent's are replaced by them after the load
-        built = {i: b.ffn.routed.route_table.clone() for i, b in enumerate(model.blocks) if _table(b)}
+        built = model.route_tables()  # this config's: the parent's are replaced by them after the load
         if self.state == InitState.weights:
             _load_weights(model, self.weights())
         else:  # the store's own load: weights and optimizer state, whatever the format and the sharding
@@ -152,26 +146,11 @@ class InitSource:
                 for evaluator in trainer.evaluators:  # the branch point is scored, as step 0 of a run is
                     if getattr(evaluator, "cadence", NEVER) != NEVER:
                         evaluator.cadence = evaluator.cadence | Cadence(at=(self.step,))
-        changed = [
-            i for i, table in built.items() if not torch.equal(model.blocks[i].ffn.routed.route_table, table)
-        ]
-        for i in changed:
-            model.blocks[i].ffn.routed.set_route_table(built[i])
-        if changed:
-            self.followed = [f"blocks.{i}.ffn.routed.route_table" for i in changed]
-            log.warning(
-                "%s: the route tables of layers %s follow this config's routing (the parent's differ)",
-                KEY,
-                ", ".join(map(str, changed)),
-            )
+        self.followed = model.restore_route_tables(built)
+        if self.followed:
+            log.warning("%s: %s follow this config's routing (the parent's differ)", KEY, self.followed)
         if self.held_out is not None:
-            log.warning(
-                "%s (init_state=branch): the parent scored %d held-out windows, this run scores %d "
-                "(trainer.eval_batches x micro_batch): its eval_loss is not comparable with the parent's%s",
-                KEY,
-                *self.held_out,
-                _same_set_hint(self.held_out[0], trainer.cfg.trainer.micro_batch),
-            )
+            log.warning(self.held_out["line"])
         log.info(
             "%s: %s of %s (step %d, %s), content %s",
             KEY,
@@ -183,49 +162,23 @@ class InitSource:
         )
 
 
-def _same_set_hint(windows: int, micro_batch: int) -> str:
-    if windows % micro_batch:
-        return ""
-    return f"; trainer.eval_batches={windows // micro_batch} scores the parent's set"
-
-
-def _table(block) -> bool:
-    return block.ffn.routed is not None and block.ffn.routed.route_table is not None
-
-
-# learned state whose meaning is the parent's routing: carried only into a layer of the same strategy
-ROUTER_STATE = ("ffn.router", "ffn.route_bias")
-
-
-def _parent_strategies(source: InitSource) -> tuple[str, ...] | None:
-    """The parent's routing strategy per layer (None: it does not say)."""
-    if source.info is not None:
-        from trmoe.config.spec import model_spec
-
-        stored = stored_config(source.info.meta)
-        return model_spec(stored).strategies if stored is not None else None
-    spec = source.export_config.get("trmoe_model_spec")
-    if isinstance(spec, dict) and "num_layers" in spec:
-        return tuple(spec.get("layer_strategies") or [spec.get("strategy")] * int(spec["num_layers"]))
-    return None
-
-
 def _check_router_state(source: InitSource, cfg: Config, new: dict[str, tuple[int, ...]]) -> None:
-    """A router's W_r or learned_v3's bias trained under one strategy is another thing under another (a
-    learned router carried into frozen_router would be frozen at the parent's trained W_r): refused."""
-    from trmoe.config.spec import model_spec
+    from trmoe.model.routing import foreign_router_state
 
-    ours, theirs = model_spec(cfg).strategies, _parent_strategies(source)
-    for layer, strategy in enumerate(ours):
-        names = [f"blocks.{layer}.{n}" for n in ROUTER_STATE if f"blocks.{layer}.{n}" in new]
-        parent = theirs[layer] if theirs is not None and layer < len(theirs) else None
-        if names and parent != strategy:
-            said = f"routes by {parent}" if parent is not None else "does not record its routing"
-            raise UserError(
-                f"{KEY}={source.path}: the parent's layer {layer} {said}, this config's by {strategy}: "
-                f"{names[0]} would carry the parent's; allowed: a parent with the same routing.strategy "
-                "(routing.layers) at its router layers (nothing was written)"
-            )
+    ours, theirs = model_spec(cfg).strategies, None  # theirs: the parent's per layer (None: unrecorded)
+    if source.info is not None and (stored := stored_config(source.info.meta)) is not None:
+        theirs = model_spec(stored).strategies
+    elif isinstance(spec := source.export_config.get("trmoe_model_spec"), dict) and "num_layers" in spec:
+        theirs = tuple(spec.get("layer_strategies") or [spec.get("strategy")] * int(spec["num_layers"]))
+    found = foreign_router_state(theirs, ours, set(new))
+    if found is not None:
+        layer, name, parent = found
+        said = f"routes by {parent}" if parent is not None else "does not record its routing"
+        raise UserError(
+            f"{KEY}={source.path}: the parent's layer {layer} {said}, this config's by {ours[layer]}: {name} "
+            "would carry the parent's; allowed: a parent with the same routing.strategy (routing.layers) at "
+            "its router layers (nothing was written)"
+        )
 
 
 def _strip(name: str, config: dict[str, Any]) -> str:
@@ -331,9 +284,8 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
 
 
 def _check_same_parent(source: InitSource, recorded: Any) -> None:
-    """A restart (killed before its first checkpoint) starts from the parent again: the bytes its first
-    attempt recorded, or not at all. A parent replaced since (a newer checkpoint in a run directory, another
-    valid checkpoint copied over the same path) would start a run whose record names other bytes: refused."""
+    """A restart (killed before its first checkpoint) starts from the bytes its record names, or not at all
+    (a parent replaced since: a newer checkpoint in a run directory, another one copied over the path)."""
     if not isinstance(recorded, dict) or not recorded.get("content_hash"):
         return
     then, now = str(recorded["content_hash"]), source.content_hash
@@ -348,10 +300,10 @@ def _check_same_parent(source: InitSource, recorded: Any) -> None:
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
-    from trmoe.config.derived import eval_windows, global_batch_tokens
+    from trmoe.config.derived import eval_windows, global_batch_tokens, held_out_change
     from trmoe.optim.build import group_layout
 
-    info, state = source.info, source.state.value
+    info, state, t = source.info, source.state.value, cfg.trainer
     if source.kind == "converted":
         raise UserError(
             f"trainer.init_state={state}: {source.path} is a converted checkpoint (no optimizer state, no "
@@ -387,8 +339,7 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
         ) from None
     if not isinstance(local, dict) or "step" not in local:
         raise UserError(f"trainer.init_state=branch: {info.path} holds no train state; allowed: weights")
-    # the held-out set is the first eval_batches x micro_batch windows: another micro-batch split of the same
-    # tokens per step (or another eval_batches) scores another set, which the branch says and records
-    parent_windows = (info.meta.get("derived") or {}).get("eval_windows")
-    if isinstance(parent_windows, int) and parent_windows != eval_windows(cfg.trainer):
-        source.held_out = (parent_windows, eval_windows(cfg.trainer))
+    theirs = (info.meta.get("derived") or {}).get("eval_windows")  # the branch's held-out set: the parent's?
+    if isinstance(theirs, int) and (note := held_out_change(theirs, t)) is not None:
+        windows = {"parent": theirs, "run": eval_windows(t)}
+        source.held_out = {"windows": windows, "line": f"{KEY} (init_state=branch): {note}"}
