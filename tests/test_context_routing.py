@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_run, cached_logits, compose_config, drive, train_in_process
+from helpers import assert_same_run, cached_logits, cli, compose_config, drive, train_in_process
 from presets import RESUME_BASE
 
 from trmoe.config.resolve import to_config
@@ -305,6 +305,46 @@ def test_embedding_source_is_recorded_and_bad_sources_are_one_line(oracle_run, t
     result = cli([*RESUME_BASE, "routing=clustered_hash", "run.name=bad"], cwd=tmp_path)  # the real command
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "routing.embedding" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def _bad_embeddings(d: Path) -> dict[str, str]:
+    """One file per class of unreadable or unusable embedding, and what its one line must say."""
+    import pickle
+
+    nan = np.ones((VOCAB, 8), dtype=np.float32)
+    nan[3, 1] = np.nan
+    np.save(d / "nan.npy", nan)
+    inf = np.ones((VOCAB, 8), dtype=np.float32)
+    inf[5] = np.inf
+    torch.save({"embed.weight": torch.from_numpy(inf)}, d / "inf.pt")
+    (d / "pickled.pt").write_bytes(pickle.dumps({"embed.weight": np.ones((VOCAB, 8))}))
+    (d / "garbage.safetensors").write_bytes(b"\xff" * 100)
+    (d / "text.npy").write_text("0.1 0.2\n")
+    np.save(d / "objects.npy", np.array([{"a": 1}] * VOCAB), allow_pickle=True)
+    return {
+        "nan.npy": "1 rows hold NaN or inf (the first: token id 3)",
+        "inf.pt": "1 rows hold NaN or inf (the first: token id 5)",
+        "pickled.pt": "holds pickled Python objects, which are never unpickled here",
+        "garbage.safetensors": "not readable as a safetensors file",
+        "text.npy": "no .npy header",
+        "objects.npy": "holds pickled Python objects",
+    }
+
+
+def test_unusable_embedding_files_are_one_line_exit_2_nothing_written(tmp_path):
+    """NaN or inf rows (k-means over them clusters nothing), a .pt that weights_only refuses, a damaged
+    .safetensors, a text file named .npy: the real command says so in one line naming the file, with no
+    reader's advice (allow_pickle, weights_only) that no trmoe option reaches, exit 2, no run directory."""
+    files = tmp_path / "files"
+    files.mkdir()
+    for name, says in _bad_embeddings(files).items():
+        args = [*RESUME_BASE, "routing=clustered_hash", f"routing.embedding={files / name}", "run.name=bad"]
+        result = cli(args, cwd=tmp_path)
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert result.stderr.count("\n") == 1 and says in result.stderr, (name, result.stderr)
+        assert str(files / name) in result.stderr
+        assert "allow_pickle" not in result.stderr and "weights_only" not in result.stderr
+        assert not (tmp_path / "runs").exists(), name
 
 
 def test_plan_reports_the_table_balance_of_ids_and_occurrences(oracle_run, tmp_path):

@@ -217,3 +217,133 @@ def test_bad_init_from_is_one_line_exit_2_nothing_written(parent, tmp_path, over
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "runs" / "b").exists()
     assert tree_digest(parent) == before
+
+
+def _tables(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k.endswith("route_table")}
+
+
+def test_route_tables_follow_the_new_config_not_the_parents(parent, tmp_path):
+    """A modulo_cyclic parent started with routing=random routes by random's tables (those a fresh
+    routing=random run builds), says so in train.log and records which tables it replaced; the weights are
+    still the parent's."""
+    source = load_checkpoint(parent / "checkpoints" / "step_00000008")
+    fresh = _tables(_first_state(tmp_path / "fresh", "routing=random")["model"])
+    seen = _first_state(
+        tmp_path / "b", f"trainer.init_from={parent}/checkpoints/step_00000008", "routing=random"
+    )["model"]
+    assert fresh and all(not torch.equal(fresh[k], source["model"][k]) for k in fresh)
+    _assert_equal_tensors(_tables(seen), fresh)
+    _assert_equal_tensors(
+        {k: v for k, v in seen.items() if k not in fresh},
+        {k: v for k, v in source["model"].items() if k not in fresh},
+    )
+    record = json.loads((tmp_path / "b" / "run_config.json").read_text())["init_from"]
+    assert record["followed"] == sorted(fresh)
+    assert "follow this config's routing" in (tmp_path / "b" / "train.log").read_text()
+    # the parent's own routing: its tables, nothing replaced
+    same = _first_state(tmp_path / "c", f"trainer.init_from={parent}/checkpoints/step_00000008")["model"]
+    _assert_equal_tensors(_tables(same), _tables(source["model"]))
+    assert json.loads((tmp_path / "c" / "run_config.json").read_text())["init_from"]["followed"] == []
+
+
+@pytest.mark.parametrize(
+    ("parent_routing", "routing", "names"),
+    [
+        ("learned", "frozen_router", "blocks.0.ffn.router would carry"),
+        ("frozen_router", "learned", "blocks.0.ffn.router would carry"),
+    ],
+)
+def test_router_state_from_another_strategy_is_refused(tmp_path, parent_routing, routing, names):
+    """A learned router's W_r carried into frozen_router would freeze the parent's trained router (and a
+    frozen one would start training): one line naming the tensor, exit 2, nothing written."""
+    train_in_process(tmp_path / "p", "trainer.steps=4", f"routing={parent_routing}")
+    before = tree_digest(tmp_path / "p")
+    out = cli(
+        [*RESUME_BASE, "run.name=b", f"routing={routing}", f"trainer.init_from={tmp_path / 'p'}"], tmp_path
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert names in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"layer 0 routes by {parent_routing}, this config's by {routing}" in out.stderr
+    assert not (tmp_path / "runs" / "b").exists() and tree_digest(tmp_path / "p") == before
+    # the parent's own strategy carries it
+    assert (
+        cli(
+            [
+                *RESUME_BASE,
+                "run.name=ok",
+                "trainer.steps=2",
+                f"routing={parent_routing}",
+                f"trainer.init_from={tmp_path / 'p'}",
+            ],
+            tmp_path,
+        ).returncode
+        == 0
+    )
+
+
+def test_a_branch_that_scores_another_held_out_set_says_so_and_records_it(parent, tmp_path):
+    """Another micro-batch split of the same tokens per step scores eval_batches x micro_batch windows: half
+    the parent's at micro_batch 2. The branch says so in train.log (with the eval_batches that keeps the
+    parent's set) and records both sizes; with that eval_batches its branch-point evaluation is the one the
+    parent's own split gives."""
+    branch = [f"trainer.init_from={parent}/checkpoints/step_00000008", "trainer.init_state=branch"]
+    split = ["trainer.micro_batch=2", "trainer.grad_accum=2", "trainer.steps=9"]
+    train_in_process(tmp_path / "own", *branch, "trainer.steps=9")
+    train_in_process(tmp_path / "half", *branch, *split)
+    train_in_process(tmp_path / "kept", *branch, *split, "trainer.eval_batches=4")
+
+    def first_eval(name: str) -> float:
+        return float(metrics_rows(tmp_path / name)[0]["eval_loss"])
+
+    def recorded(name: str) -> dict:
+        return json.loads((tmp_path / name / "run_config.json").read_text())["init_from"]
+
+    log = (tmp_path / "half" / "train.log").read_text()
+    assert "the parent scored 8 held-out windows, this run scores 4" in log
+    assert "trainer.eval_batches=4 scores its set" in log
+    assert recorded("half")["held_out_windows"] == {"parent": 8, "run": 4}
+    assert first_eval("half") != pytest.approx(first_eval("own"), rel=1e-6)  # another set
+    for name in ("own", "kept"):
+        assert "held_out_windows" not in recorded(name)
+        assert "held-out windows" not in (tmp_path / name / "train.log").read_text()
+    assert first_eval("kept") == pytest.approx(first_eval("own"), rel=1e-5)
+
+
+def test_a_restart_whose_parent_was_replaced_is_refused(parent, tmp_path):
+    """A branch killed before its first checkpoint starts from its parent again; when another valid
+    checkpoint (another run's, same shapes) has replaced the parent at the same path since, the launch
+    refuses in one line naming both contents (its record names the first), exit 2, the run directory as it
+    was; with the parent restored it restarts."""
+    import shutil
+
+    shutil.copytree(parent, tmp_path / "p")
+    source = tmp_path / "p" / "checkpoints" / "step_00000008"
+    run_dir = tmp_path / "runs" / "b"
+    args = [f"trainer.init_from={source}", "trainer.init_state=branch", "run.name=b"]
+
+    def killed(trainer, stop) -> float:  # before the first checkpoint, as a SIGKILL at step 9 would
+        trainer.start()
+        raise KeyboardInterrupt
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            job.run(compose_config(*RESUME_BASE, *args), run_dir, killed)
+    finally:
+        torch.set_num_threads(threads)
+    recorded = json.loads((run_dir / "run_config.json").read_text())["init_from"]["content_hash"]
+    train_in_process(tmp_path / "other", "trainer.steps=8", "trainer.seed=7")
+    kept = tmp_path / "kept"
+    source.rename(kept)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step_00000008", source)
+    before = tree_digest(run_dir)
+    out = cli([*RESUME_BASE, *args], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and "not the parent this run started from" in out.stderr
+    assert f"content {recorded[:12]} then" in out.stderr, out.stderr
+    assert tree_digest(run_dir) == before
+    shutil.rmtree(source)
+    kept.rename(source)
+    assert cli([*RESUME_BASE, *args], tmp_path).returncode == 0
+    assert json.loads((run_dir / "run_config.json").read_text())["init_from"]["content_hash"] == recorded

@@ -229,6 +229,33 @@ def test_cli_out_that_is_a_file_is_one_line_and_writes_nothing(tmp_path):
     _no_output(tmp_path / "new")  # ... and leaves none of the parents it made behind
 
 
+def _fill(mount: Path, leave: int) -> None:
+    """Take all but `leave` bytes of the filesystem at `mount` with one file."""
+    st = os.statvfs(mount)
+    (mount / "filler").write_bytes(b"\0" * max(st.f_bavail * st.f_frsize - leave, 0))
+
+
+@pytest.mark.parametrize(
+    ("leave", "docs"),
+    [
+        (64 << 10, 3000),  # the disk fills while the shards are written
+        (1 << 20, 40),  # the shards fit; token_counts.npy (8 bytes per o200k id: 1.6 MB) does not
+    ],
+)
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path, tmpfs, leave, docs):
+    """A real 6 MiB filesystem, filled to `leave` bytes: the real command says the disk is full in one
+    line (exit 3, a storage failure as a run's), and the dataset directory and the parents it made are gone,
+    whichever write hit the limit."""
+    (tmp_path / "c.txt").write_text("\n\n".join(documents(docs)))
+    _fill(tmpfs, leave)
+    out = tmpfs / "new" / "ds"
+    result = run_prepare(["c.txt", "--out", str(out), "--eval-fraction", "0.3"], tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"--out {out}: cannot write the dataset: No space left on device" in result.stderr
+    assert os.listdir(tmpfs) == ["filler"]
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

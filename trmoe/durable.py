@@ -23,6 +23,7 @@ Ground floor: imports nothing from trmoe, and no torch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -32,6 +33,9 @@ from pathlib import Path
 from typing import IO, Any
 
 PARTIAL = ".partial"
+# a full disk or quota, a read-only or failing filesystem: whatever file it hit (trmoe.run.storage's runs and
+# trmoe.data.prepare's datasets end in one line on these, not a traceback)
+FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 Content = str | bytes | Callable[[IO[bytes]], Any]
 

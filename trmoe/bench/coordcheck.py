@@ -5,6 +5,7 @@ heads fixed, so the head dim grows with H), a fresh model trains --steps AdamW s
 random token ids; every step's forward records the RMS sqrt(mean(x^2)) of
 
     embedding       the embedding output (block 0's input)
+    attn_logits.<l> layer l's pre-softmax attention logits (q·k times its scale; the causal entries)
     attn.<l>        layer l's attention output
     shared.<l>      layer l's shared-expert output (gate x scale included)
     routed.<l>      layer l's routed-expert output (gate x scale included)
@@ -12,10 +13,12 @@ random token ids; every step's forward records the RMS sqrt(mean(x^2)) of
 
 averaged over --seeds. The slope of log RMS against log H, fitted (numpy.polyfit) at the last recorded step
 (after steps - 1 updates), is printed per activation: Theta(1) coordinates, what muP promises, give slope 0;
-SP's grow (slope ~1/2 from a fixed-std init, ~1 from Adam's updates). The mup runs take the smallest width as
-their base shape (mup_base_width; the shared and routed bases follow it). --drop removes one of mup's
-multipliers (to see the check fail): output (the 1/m_d readout), attention (the 1/d logit scale), init (the
-1/sqrt(m) init stds) or lr (the 1/m lr factors).
+SP's grow (slope ~1/2 from a fixed-std init, ~1 from Adam's updates). The check passes when every slope is in
+its band (BAND; the attention logits' one-sided band BANDS, see there) and prints the ones that are not. The
+mup runs take the smallest width as their base shape (mup_base_width; the shared and routed bases follow
+it). --drop removes one of mup's multipliers by hand (each makes the check fail): output (the 1/m_d
+readout), attention (sqrt(d_0)/d back to 1/sqrt(d) at every width), init (the 1/sqrt(m) init stds) or lr
+(the 1/m lr factors).
 """
 
 from __future__ import annotations
@@ -32,8 +35,17 @@ from trmoe.bench.common import Parser, figure, positive_int, record, save_figure
 
 PARAMETRIZATIONS = ("sp", "mup")
 DROPS = ("output", "attention", "init", "lr")
-GROUPS = ("embedding", "attn", "shared", "routed", "logits")  # the plot's panels
+GROUPS = ("embedding", "attn_logits", "attn", "shared", "routed", "logits")  # the plot's panels
 WIDTHS = (64, 128, 256, 512)
+# The check's criterion: the band of log-log slopes each coordinate may have under mup. Theta(1) activations:
+# slope 0 up to finite-width noise (measured |slope| <= 0.15), and 0.25 is half the smallest growth SP
+# predicts (1/2 from a fixed-std init, ~1 from Adam's updates). The attention logits are one-sided: under mup
+# (q·k times sqrt(d_0)/d) their init part decays as d^-1/2 (q and k independent: q·k ~ sqrt(d)) and their
+# learned part (q and k aligned: q·k ~ d) is Theta(1), so the slope rises from -1/2 towards 0 as training
+# goes on and never above; under 1/sqrt(d) at every width the init part is Theta(1) (~1 in RMS with QK-norm)
+# and the learned part grows as d^1/2: from 0 upwards (measured +0.16 after 3 updates, intact -0.31).
+BAND = (-0.25, 0.25)
+BANDS = {"attn_logits": (-0.75, 0.05)}
 
 
 @dataclass
@@ -47,6 +59,15 @@ class CoordCheck:
     def max_abs_slope(self) -> tuple[str, float]:
         name = max(self.slopes, key=lambda k: abs(self.slopes[k]))
         return name, self.slopes[name]
+
+    def failures(self) -> dict[str, float]:
+        """The coordinates whose slope is outside their band (`band`): empty when mup holds."""
+        return {k: v for k, v in self.slopes.items() if not band(k)[0] <= v <= band(k)[1]}
+
+
+def band(name: str) -> tuple[float, float]:
+    """The slopes coordinate `name` may have under mup (BANDS by its group, else BAND)."""
+    return BANDS.get(name.split(".")[0], BAND)
 
 
 def overrides(parametrization: str, width: int, base: int, layers: int, lr: float) -> list[str]:
@@ -101,15 +122,42 @@ def _rms(x: torch.Tensor) -> float:
     return x.detach().float().pow(2).mean().sqrt().item()
 
 
-def _hook(model, out: dict[str, float]) -> list:
+def attention_logits(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The pre-softmax logits [B, heads, S, S] of one attention layer on its input x (what SDPA computes
+    inside: q·k times the layer's scale, 1/sqrt(d) when it has none), -inf above the diagonal (causal)."""
+    from trmoe.model.attention import apply_rope
+
+    b, s, _ = x.shape
+    d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    q, k, _v = attn.qkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.view(b, s, hq, d).transpose(1, 2)
+    k = k.view(b, s, hkv, d).transpose(1, 2)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    scale = attn.scale if attn.scale is not None else 1 / math.sqrt(d)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    return logits.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def _hook(model, out: dict[str, float], logits: dict[str, torch.Tensor]) -> list:
     """Forward hooks that write each activation's RMS into `out` as the forward runs (the routed branch adds
-    into the shared branch's output in place: its own share is the difference, taken at once)."""
+    into the shared branch's output in place: its own share is the difference, taken at once), and each
+    layer's attention logits (causal entries) into `logits`."""
     handles = [
         model.blocks[0].register_forward_pre_hook(
             lambda _m, args: out.__setitem__("embedding", _rms(args[0]))
         )
     ]
     for layer, block in enumerate(model.blocks):
+
+        def scores(attn, args, l=layer):
+            with torch.no_grad():
+                full = attention_logits(attn, *args[:3])
+            logits[f"attn_logits.{l}"] = full[torch.isfinite(full)]
+
+        handles.append(block.attn.register_forward_pre_hook(scores))
         handles.append(
             block.attn.register_forward_hook(lambda _m, _a, y, l=layer: out.__setitem__(f"attn.{l}", _rms(y)))
         )
@@ -146,12 +194,14 @@ def _trace(
     rows = []
     for _ in range(steps):
         row: dict[str, float] = {}
-        handles = _hook(model, row)
+        scores: dict[str, torch.Tensor] = {}
+        handles = _hook(model, row, scores)
         try:
             logits = model.logits(model(inputs))
         finally:
             for h in handles:
                 h.remove()
+        row.update({name: _rms(values) for name, values in scores.items()})
         row["logits"] = _rms(logits)
         rows.append(row)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -268,11 +318,23 @@ def main(argv: list[str] | None = None) -> None:
     names = list(checks[0].slopes)
     print(f"log-log slope of activation RMS vs hidden size {args.widths}, at step {args.steps - 1}:")
     print(
-        f"{'activation':<12}"
+        f"{'activation':<16}"
         + "".join(f"{c.parametrization + (f'-{c.drop}' if c.drop else ''):>14}" for c in checks)
     )
     for name in names:
-        print(f"{name:<12}" + "".join(f"{c.slopes[name]:>+14.3f}" for c in checks))
+        print(f"{name:<16}" + "".join(f"{c.slopes[name]:>+14.3f}" for c in checks))
+    for c in checks:
+        label = c.parametrization + (f" without its {c.drop} multiplier" if c.drop else "")
+        bad = c.failures()
+        verdict = (
+            "passes"
+            if not bad
+            else "fails: "
+            + ", ".join(
+                f"{k} {v:+.3f} outside [{band(k)[0]:+.2f}, {band(k)[1]:+.2f}]" for k, v in bad.items()
+            )
+        )
+        print(f"{label}: the mup check {verdict}")
     if args.plot:
         plot(checks, args.plot)
         print(f"plot: {args.plot}")
@@ -285,7 +347,13 @@ def main(argv: list[str] | None = None) -> None:
             "layers": args.layers,
             "lr": args.lr,
             "checks": [
-                {"parametrization": c.parametrization, "drop": c.drop, "slopes": c.slopes, "rms": c.rms}
+                {
+                    "parametrization": c.parametrization,
+                    "drop": c.drop,
+                    "slopes": c.slopes,
+                    "failures": c.failures(),
+                    "rms": c.rms,
+                }
                 for c in checks
             ],
         },

@@ -7,7 +7,7 @@ disagree.
     one rank's step micro_batch x grad_accum samples                rank_batch_samples
     one step        micro_batch x grad_accum x world samples        global_batch_samples
                     ... x seq_len tokens (tokens per step)          global_batch_tokens
-    an evaluation   eval_batches x micro_batch windows               eval_windows
+    an evaluation   eval_batches x micro_batch windows               eval_windows (held_out_change)
                     ... x seq_len tokens scored (at most: a         eval_tokens
                     smaller held-out split scores what it holds)
 
@@ -51,3 +51,19 @@ def eval_tokens(t: TrainerConfig) -> int:
     """Tokens scored per evaluation: eval_batches x micro_batch x seq_len (when the held-out split holds that
     many windows; a smaller one scores what it holds)."""
     return eval_windows(t) * t.seq_len
+
+
+def held_out_change(parent_windows: int, t: TrainerConfig) -> str | None:
+    """What a run of `t` says when its parent (a branch's) scored `parent_windows` held-out windows and it
+    scores another number (another micro_batch split of the same tokens per step, another eval_batches):
+    another set, with the eval_batches that scores the parent's; None when they are equal."""
+    ours, batch = eval_windows(t), t.micro_batch
+    if parent_windows == ours:
+        return None
+    hint = (
+        "" if parent_windows % batch else f"; trainer.eval_batches={parent_windows // batch} scores its set"
+    )
+    return (
+        f"the parent scored {parent_windows} held-out windows, this run scores {ours} "
+        f"(trainer.eval_batches x micro_batch): its eval_loss is not comparable with the parent's{hint}"
+    )

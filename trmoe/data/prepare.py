@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import glob
+import io
 import json
 import os
 import re
@@ -42,10 +43,18 @@ from trmoe.data.corpus import SPLIT_RULE
 from trmoe.data.documents import first_line, open_parquet
 from trmoe.data.encode import encode_documents, make_pool, ordered_map
 from trmoe.data.identity import file_sha256
-from trmoe.data.shards import INDEX_NAME, PARTITIONS, TOKEN_COUNTS_NAME, ShardWriter, read_index, verify_shard
+from trmoe.data.shards import (
+    BIN_NAME,
+    INDEX_NAME,
+    PARTITIONS,
+    TOKEN_COUNTS_NAME,
+    ShardWriter,
+    read_index,
+    verify_shard,
+)
 from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
-from trmoe.durable import json_text, write_file
-from trmoe.errors import UserError, require_directory
+from trmoe.durable import FULL_OR_READ_ONLY, json_text, write_file
+from trmoe.errors import RunFailed, UserError, require_directory
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK_DOCS = 512  # documents per worker task
@@ -337,7 +346,9 @@ def _check_out(out: Path) -> None:
 def write_token_counts(out: Path, counts: np.ndarray) -> None:
     """<out>/token_counts.npy: int64 [vocab], how often each token id occurs in the training split (written
     through a temporary file: a partial table is never read as a whole one)."""
-    write_file(out / TOKEN_COUNTS_NAME, lambda f: np.save(f, counts.astype(np.int64), allow_pickle=False))
+    buffer = io.BytesIO()  # np.save into the file itself reports a full disk without its errno (tofile)
+    np.save(buffer, counts.astype(np.int64), allow_pickle=False)
+    write_file(out / TOKEN_COUNTS_NAME, buffer.getvalue())
 
 
 def prepare(
@@ -392,6 +403,8 @@ def prepare(
     start = time.perf_counter()
     pool, documents = None, 0
     counts = np.zeros(enc.n_vocab, dtype=np.int64)  # the training split's token frequencies, exact
+    # the finished files this call wrote, removed again on error (a full disk at the last write included)
+    written: list[Path] = []
     try:
         for p in PARTITIONS:  # in the try: a directory that cannot be made leaves no other partial file
             try:
@@ -420,40 +433,54 @@ def prepare(
                     f"input {input_spec}: the split rule put none of the {documents} documents into {p}; "
                     f"{'raise' if p == 'eval' else 'lower'} --eval-fraction or add documents"
                 )
-    except BaseException:
+        indexes = {}
+        for p, writer in writers.items():
+            written += [out / p / BIN_NAME, out / p / INDEX_NAME]
+            indexes[p] = writer.close()
+        written.append(out / TOKEN_COUNTS_NAME)
+        write_token_counts(out, counts)
+        elapsed = time.perf_counter() - start
+        summary = {
+            "format": "trmoe-dataset",
+            "version": 1,
+            "source": source,
+            "tokenizer": TOKENIZER_NAME,
+            "tokenizer_sha256": meta["tokenizer_sha256"],
+            "partitions": {
+                p: {k: idx[k] for k in ("num_tokens", "documents", "text_bytes", "sha256", "dtype")}
+                | {"path": p}
+                for p, idx in indexes.items()
+            },
+            # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
+            "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
+        }
+        written.append(out / DATASET_FILE)
+        write_file(out / DATASET_FILE, json_text(summary, indent=2, sort_keys=True) + "\n", fsync=False)
+    except BaseException as exc:
         with interruptions_deferred(reraise=False):  # a second Ctrl-C must not cut the clean-up short
             if pool is not None:
                 pool.close()
                 pool = None
             for writer in writers.values():
                 writer.abort()
+            for path in written:  # (with --overwrite, a previous dataset's replaced file goes too)
+                path.unlink(missing_ok=True)
             for d in reversed(created):
                 try:
                     d.rmdir()
                 except OSError:
                     pass
+        if isinstance(exc, OSError) and exc.errno in FULL_OR_READ_ONLY:
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise RunFailed(
+                f"--out {out}: cannot write the dataset: {exc.strerror}{where}; what this run wrote was "
+                "removed"
+            ) from None
         raise
     finally:
         bar.close()
         if pool is not None:
             pool.close()
-    indexes = {p: writer.close() for p, writer in writers.items()}
-    write_token_counts(out, counts)
-    elapsed = time.perf_counter() - start
-    summary = {
-        "format": "trmoe-dataset",
-        "version": 1,
-        "source": source,
-        "tokenizer": TOKENIZER_NAME,
-        "tokenizer_sha256": meta["tokenizer_sha256"],
-        "partitions": {
-            p: {k: idx[k] for k in ("num_tokens", "documents", "text_bytes", "sha256", "dtype")} | {"path": p}
-            for p, idx in indexes.items()
-        },
-        # routing.strategy=frequency_balanced_secondary reads it (docs/routing.md)
-        "token_counts": {"path": TOKEN_COUNTS_NAME, "partition": "train", "total": int(counts.sum())},
-    }
-    write_file(out / DATASET_FILE, json_text(summary, indent=2, sort_keys=True) + "\n", fsync=False)
     summary["elapsed_s"] = elapsed
     summary["input_bytes"] = int(offsets[-1])
     return summary

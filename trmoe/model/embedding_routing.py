@@ -6,7 +6,10 @@ tensor or a state dict with ``embed.weight`` (a trmoe checkpoint's ``model_optim
 ``model``); a ``.safetensors`` file with ``embed.weight`` or ``model.embed.weight``; or a directory holding
 one ``model.safetensors`` (what ``python -m trmoe.export`` writes, either format). The rows are token ids:
 exactly ``V = model.vocab_size``, or ``V`` plus fewer than 256 padding rows (a trmoe embedding padded by
-model.vocab_pad_multiple), which are dropped.
+model.vocab_pad_multiple), which are dropped. Every value must be finite (k-means over a NaN or inf row
+would cluster nothing meaningful). A file that is not what its suffix says (a text file named .npy, a .pt
+holding objects weights_only refuses, a damaged .safetensors) is a ValueError naming the file, never the
+reader's own advice (numpy's `allow_pickle`, torch's `weights_only`), which no trmoe option reaches.
 
 Clusters: the rows scaled to unit length (cosine geometry), ``E`` k-means centroids
 (scipy.cluster.vq.kmeans2, k-means++ initialisation, 20 iterations, its generator seeded by
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -47,28 +51,20 @@ def embedding_file(path: str | Path) -> Path:
 
 def load_embedding(path: str | Path, vocab_size: int) -> np.ndarray:
     """The ``[vocab_size, H]`` float32 embedding of a source (module docstring). ValueError naming the file
-    and what is wrong: missing, unreadable, not 2-D, or rows that are not the vocabulary."""
-    import torch
-
+    and what is wrong: missing, unreadable, not 2-D, rows that are not the vocabulary, values not finite."""
     source = embedding_file(path)
-    suffix = source.suffix
+    if source.suffix not in READERS:
+        raise ValueError(f"{source}: allowed: a .npy, .pt, .pth or .safetensors file, or an export dir")
     try:
-        if suffix == ".npy":
-            array = np.load(source, allow_pickle=False)
-        elif suffix in (".pt", ".pth"):
-            loaded = torch.load(source, map_location="cpu", weights_only=True)
-            array = _from_mapping(loaded, source) if isinstance(loaded, dict) else loaded
-        elif suffix == ".safetensors":
-            from safetensors.numpy import load_file
-
-            array = _from_mapping(load_file(str(source)), source)
-        else:
-            raise ValueError(f"{source}: allowed: a .npy, .pt, .pth or .safetensors file, or an export dir")
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ValueError(f"{source}: not readable ({str(e).splitlines()[0][:120]})") from None
-    if isinstance(array, torch.Tensor):
-        array = array.float().numpy()
-    array = np.asarray(array)
+        array = np.asarray(_read(source))  # (a ragged object a .pt held fails here)
+    except ValueError as e:
+        if str(e).startswith(str(source)):  # ours (_from_mapping): already says what is wrong
+            raise
+        raise _unreadable(source, e) from None
+    except (
+        Exception
+    ) as e:  # whatever the reader raises on bytes that are not its format (pickle, safetensors)
+        raise _unreadable(source, e) from None
     if array.ndim != 2 or array.dtype.kind != "f":
         raise ValueError(
             f"{source}: a token embedding is a 2-D float array [V, H], got {array.dtype} {array.shape}"
@@ -79,7 +75,52 @@ def load_embedding(path: str | Path, vocab_size: int) -> np.ndarray:
             f"{source}: {rows} rows for model.vocab_size={vocab_size}; allowed: {vocab_size} rows (plus "
             f"fewer than {MAX_PADDING} padding rows)"
         )
-    return np.ascontiguousarray(array[:vocab_size], dtype=np.float32)
+    array = np.ascontiguousarray(array[:vocab_size], dtype=np.float32)
+    bad = ~np.isfinite(array).all(axis=1)
+    if bad.any():
+        raise ValueError(
+            f"{source}: {int(bad.sum())} rows hold NaN or inf (the first: token id {int(bad.argmax())}); "
+            "allowed: finite values"
+        )
+    return array
+
+
+READERS = (".npy", ".pt", ".pth", ".safetensors")
+
+
+def _unreadable(source: Path, e: BaseException) -> ValueError:
+    formats = {".npy": "a .npy array", ".safetensors": "a safetensors file"}
+    what = formats.get(source.suffix, "a torch tensor or state dict")
+    said = str(e).splitlines()[0] if str(e) else ""
+    if "pickle" in said.lower() or "weights only" in said.lower():
+        # the reader's own advice (allow_pickle=True, weights_only=False) is no trmoe option: say what it is
+        detail = "it holds pickled Python objects, which are never unpickled here"
+    else:
+        detail = f"{type(e).__name__}: {said[:120]}" if said else type(e).__name__
+    return ValueError(f"{source}: not readable as {what} ({detail})")
+
+
+def _read(source: Path) -> object:
+    """The array a file holds (a numpy array or a float tensor's), as its suffix says to read it."""
+    import torch
+
+    if source.suffix == ".npy":
+        with open(source, "rb") as f:
+            # numpy takes a file without its magic for a pickle and says so: name what it really is
+            if f.read(6) != b"\x93NUMPY":
+                raise ValueError("no .npy header (numpy.save writes one)")
+        return np.load(source, allow_pickle=False)
+    if source.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return _from_mapping(load_file(str(source)), source)
+    with warnings.catch_warnings():  # (torch warns of pickle protocols on stderr: the error says it all)
+        warnings.simplefilter("ignore")
+        loaded = torch.load(source, map_location="cpu", weights_only=True)
+    array = _from_mapping(loaded, source) if isinstance(loaded, dict) else loaded
+    if isinstance(array, torch.Tensor):
+        array = array.float().numpy()
+    return array
 
 
 def embedding_record(path: str | Path, vocab_size: int) -> dict:

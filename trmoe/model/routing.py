@@ -99,6 +99,7 @@ __all__ = [
     "balance_stats",
     "build_route_table",
     "draw_router",
+    "foreign_router_state",
     "layer_salt",
     "mix32",
     "router_step_seed",
@@ -836,3 +837,22 @@ def groups_by_tuple(
         return False
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None
+
+
+# A layer's learned routing state (a router's W_r, learned_v3's bias): it means what the strategy that trained
+# it made of it
+ROUTER_STATE = ("ffn.router", "ffn.route_bias")
+
+
+def foreign_router_state(
+    parent: tuple[str, ...] | None, ours: tuple[str, ...], names: set[str]
+) -> tuple[int, str, str | None] | None:
+    """(layer, tensor, the parent's strategy) of the first learned routing state among the model's `names`
+    that a layer routing by another strategy than the parent's (`parent` per layer; None: unknown) would
+    carry (a learned W_r in frozen_router stays frozen at the parent's trained one); None when none."""
+    for layer, strategy in enumerate(ours):
+        theirs = parent[layer] if parent is not None and layer < len(parent) else None
+        carried = [f"blocks.{layer}.{n}" for n in ROUTER_STATE if f"blocks.{layer}.{n}" in names]
+        if carried and theirs != strategy:
+            return layer, carried[0], theirs
+    return None

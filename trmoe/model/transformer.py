@@ -125,6 +125,18 @@ class TRMoETransformer(nn.Module):
             ffn.router_terms = None
         return {name: torch.stack(ts).mean() for name, ts in terms.items()} if terms else None
 
+    def route_tables(self) -> dict[int, torch.Tensor]:
+        """A copy of every layer's route table, by layer (none for a router or a hashed key)."""
+        routed = {i: b.ffn.routed for i, b in enumerate(self.blocks) if b.ffn.routed is not None}
+        return {i: r.route_table.clone() for i, r in routed.items() if r.route_table is not None}
+
+    def restore_route_tables(self, tables: dict[int, torch.Tensor]) -> list[str]:
+        """Set the route tables back to `tables` (route_tables()); the names of those that differed."""
+        changed = [i for i, t in tables.items() if not torch.equal(self.blocks[i].ffn.routed.route_table, t)]
+        for i in changed:
+            self.blocks[i].ffn.routed.set_route_table(tables[i])
+        return [f"blocks.{i}.ffn.routed.route_table" for i in changed]
+
     @property
     def needs_targets(self) -> bool:
         """Some layer routes on the target token (oracle_future_hash): forward needs `targets`."""

@@ -17,10 +17,9 @@ import os
 import sys
 from pathlib import Path
 
+from trmoe.durable import FULL_OR_READ_ONLY
 from trmoe.errors import RunFailed, UserError, file_in_the_way
 
-# a full disk or quota, a read-only or failing filesystem: whatever file it hit
-FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 # the filesystem refusing a write for lack of permission (a path of the run directory's own, see below)
 NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM})
 

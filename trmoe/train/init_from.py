@@ -4,8 +4,8 @@ from another run").
     trainer.init_from=<path>     a run directory, its checkpoints/ or one step_XXXXXXXX (its newest complete
                                  checkpoint), a `python -m trmoe.convert` output (a run directory), or a
                                  `python -m trmoe.export` directory (format hf or safetensors)
-    trainer.init_state=weights   the weights and route tables only: step 0, a fresh optimizer, data from the
-                                 first sample (a warm start, fine-tuning)
+    trainer.init_state=weights   the weights only: step 0, a fresh optimizer, data from the first sample (a
+                                 warm start, fine-tuning)
                        optimizer the weights and the optimizer's state (moments, step counts): step 0
                        branch    weights, optimizer, data cursor, RNG, step and training time: the run goes
                                  on from the parent's step under its own config (trainer.steps, the LR
@@ -14,9 +14,16 @@ from another run").
 The new run is a run directory of its own: the parent is only read, never written. run_config.json records
 the parent (`init_from`: path, run directory, step, kind, content hash and what was carried); a resume of the
 new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
-it from the parent again. Everything is checked before anything is written: the path, the tensors' names and
-shapes against the model this config builds, and what `init_state` needs (an optimizer state and a train
-state in the parent, trainer.steps beyond its step, the same tokens per step and the same data).
+it from the parent again (refused when the parent's content is no longer the recorded one). Everything is
+checked before anything is written: the path, the tensors' names and shapes against the model this config
+builds, and what `init_state` needs (an optimizer state and a train state in the parent, trainer.steps
+beyond its step, the same tokens per step and the same data). A branch that scores another held-out set
+(eval_batches x micro_batch windows) than its parent says so and records it.
+
+What the new config defines is its own, never the parent's: its route tables replace the parent's (logged,
+recorded as `followed`); scheduled gates, μP multipliers and a rerandomised router's draw come from the
+config as in any run; learned routing state (a router's W_r, learned_v3's bias) is carried only into a
+layer of the parent's strategy, else refused in one line naming the tensor.
 
 The content hash is the SHA-256 of the parent's file records (the size and CRC32 of every file, verified
 against the bytes before they are used; an export's model.safetensors is checksummed here): it names the
@@ -35,6 +42,7 @@ from typing import Any
 import torch
 
 from trmoe.config.schema import Config, InitState
+from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
@@ -71,6 +79,8 @@ class InitSource:
     content_hash: str
     info: CheckpointInfo | None = None  # a trmoe checkpoint (checkpoint, converted)
     export_config: dict[str, Any] = field(default_factory=dict)
+    followed: list[str] = field(default_factory=list)  # what apply() set from this config, not the parent
+    held_out: dict[str, Any] | None = None  # a branch scoring another held-out set: windows, its line
 
     @property
     def parent_run(self) -> Path:
@@ -89,6 +99,8 @@ class InitSource:
             "kind": self.kind,
             "content_hash": self.content_hash,
             "carried": self.state.value,
+            "followed": list(self.followed),
+            **({"held_out_windows": self.held_out["windows"]} if self.held_out else {}),
         }
 
     # -------------------------------------------------------------------------------------------- loading
@@ -122,6 +134,7 @@ class InitSource:
     def apply(self, trainer) -> None:
         """Into a built Trainer at its start: the weights, and what init_state carries besides."""
         model = trainer.model
+        built = model.route_tables()  # this config's: the parent's are replaced by them after the load
         if self.state == InitState.weights:
             _load_weights(model, self.weights())
         else:  # the store's own load: weights and optimizer state, whatever the format and the sharding
@@ -133,6 +146,11 @@ class InitSource:
                 for evaluator in trainer.evaluators:  # the branch point is scored, as step 0 of a run is
                     if getattr(evaluator, "cadence", NEVER) != NEVER:
                         evaluator.cadence = evaluator.cadence | Cadence(at=(self.step,))
+        self.followed = model.restore_route_tables(built)
+        if self.followed:
+            log.warning("%s: %s follow this config's routing (the parent's differ)", KEY, self.followed)
+        if self.held_out is not None:
+            log.warning(self.held_out["line"])
         log.info(
             "%s: %s of %s (step %d, %s), content %s",
             KEY,
@@ -141,6 +159,25 @@ class InitSource:
             self.step,
             self.kind,
             self.content_hash[:12],
+        )
+
+
+def _check_router_state(source: InitSource, cfg: Config, new: dict[str, tuple[int, ...]]) -> None:
+    from trmoe.model.routing import foreign_router_state
+
+    ours, theirs = model_spec(cfg).strategies, None  # theirs: the parent's per layer (None: unrecorded)
+    if source.info is not None and (stored := stored_config(source.info.meta)) is not None:
+        theirs = model_spec(stored).strategies
+    elif isinstance(spec := source.export_config.get("trmoe_model_spec"), dict) and "num_layers" in spec:
+        theirs = tuple(spec.get("layer_strategies") or [spec.get("strategy")] * int(spec["num_layers"]))
+    found = foreign_router_state(theirs, ours, set(new))
+    if found is not None:
+        layer, name, parent = found
+        said = f"routes by {parent}" if parent is not None else "does not record its routing"
+        raise UserError(
+            f"{KEY}={source.path}: the parent's layer {layer} {said}, this config's by {ours[layer]}: {name} "
+            "would carry the parent's; allowed: a parent with the same routing.strategy (routing.layers) at "
+            "its router layers (nothing was written)"
         )
 
 
@@ -226,6 +263,7 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
     if cfg.trainer.init_from is None or launch.mode not in ("fresh", "restart"):
         return None
     source = find(cfg)
+    _check_same_parent(source, (launch.previous or {}).get("init_from"))
     model = meta_model(cfg)
     new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
@@ -239,18 +277,33 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
             f"{KEY}={source.path}: another model shape ({len(changed)} tensors differ, e.g. {example}); "
             "allowed: a parent whose model.* builds the same tensors (nothing was written)"
         )
+    _check_router_state(source, cfg, new)
     if source.state != InitState.weights:
         _check_carried(source, cfg, model, world_size)
     return source
 
 
+def _check_same_parent(source: InitSource, recorded: Any) -> None:
+    """A restart (killed before its first checkpoint) starts from the bytes its record names, or not at all
+    (a parent replaced since: a newer checkpoint in a run directory, another one copied over the path)."""
+    if not isinstance(recorded, dict) or not recorded.get("content_hash"):
+        return
+    then, now = str(recorded["content_hash"]), source.content_hash
+    if then != now:
+        raise UserError(
+            f"{KEY}={source.path}: not the parent this run started from (step {recorded.get('step')}, "
+            f"content {then[:12]} then; step {source.step}, content {now[:12]} now); allowed: the parent it "
+            "started from (restore it), or another run.name for a new run from this one (nothing was written)"
+        )
+
+
 def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, world_size: int) -> None:
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
-    from trmoe.config.derived import global_batch_tokens
+    from trmoe.config.derived import eval_windows, global_batch_tokens, held_out_change
     from trmoe.optim.build import group_layout
 
-    info, state = source.info, source.state.value
+    info, state, t = source.info, source.state.value, cfg.trainer
     if source.kind == "converted":
         raise UserError(
             f"trainer.init_state={state}: {source.path} is a converted checkpoint (no optimizer state, no "
@@ -286,3 +339,7 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
         ) from None
     if not isinstance(local, dict) or "step" not in local:
         raise UserError(f"trainer.init_state=branch: {info.path} holds no train state; allowed: weights")
+    theirs = (info.meta.get("derived") or {}).get("eval_windows")  # the branch's held-out set: the parent's?
+    if isinstance(theirs, int) and (note := held_out_change(theirs, t)) is not None:
+        windows = {"parent": theirs, "run": eval_windows(t)}
+        source.held_out = {"windows": windows, "line": f"{KEY} (init_state=branch): {note}"}
