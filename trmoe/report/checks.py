@@ -46,6 +46,14 @@ BUDGET_KEYS = (
     "derived.world_size",
 )
 BUDGET_KEYS += tuple(f"config.trainer.{k}" for k in ("steps", "micro_batch", "grad_accum", "seq_len"))
+# How a step's tokens are split over micro-batches, accumulation and devices: with the same tokens per step
+# and total the runs train on the same budget (the held-out set each scores is its own item, eval).
+SPLIT_KEYS = (
+    "config.trainer.micro_batch",
+    "config.trainer.grad_accum",
+    "world_size",
+    "derived.world_size",
+)
 
 
 def item_of(key: str) -> str:
@@ -259,10 +267,19 @@ def check(
             + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
         )
     changed = [r for r in runs if summaries[r.name].held_out_note]
+    changed_text = ""
     if changed:
-        warnings.append(
+        changed_text = (
             f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
             "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
+        )
+        warnings.append(changed_text)
+    gaps = [r for r in runs if summaries[r.name].history_gap]
+    if gaps:
+        warnings.append(
+            f"{len(gaps)} run(s) whose metrics.csv misses part of the run (curves, best eval and throughput "
+            "cover only what it holds): "
+            + "; ".join(f"{r.name}: {summaries[r.name].history_gap}" for r in gaps)
         )
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:
@@ -316,7 +333,10 @@ def check(
             and (recipes_equal or any(_explains(s, key) for s in swept))
         )
         differing[item_of(key)].append((key, by_value, explained))
-
+    split = []
+    if "tokens_per_step" in common and "total_tokens" in common:
+        split = [d for d in differing["budget"] if d[0] in SPLIT_KEYS]
+        differing["budget"] = [d for d in differing["budget"] if d[0] not in SPLIT_KEYS]
     items = []
     for item, title in ITEMS.items():
         if item == "seeds":
@@ -332,7 +352,13 @@ def check(
             items.append(CheckItem(item, title, "UNKNOWN", "not recorded by " + ", ".join(unknown)))
             continue
         if not diffs:
-            items.append(CheckItem(item, title, "same", _same_detail(item, common, arms)))
+            detail = _same_detail(item, common, arms)
+            if item == "budget" and split:
+                detail += "; split otherwise: " + "; ".join(f"`{k}`: {_values_text(v)}" for k, v, _ in split)
+            if item == "eval" and changed:  # one set across runs, but not across a run's own evaluations
+                items.append(CheckItem(item, title, "DIFFERS", f"{detail}; but {changed_text}"))
+                continue
+            items.append(CheckItem(item, title, "same", detail))
             continue
         shown = "; ".join(f"`{k}`: {_values_text(v)}" for k, v, _ in diffs[:3])
         shown += f"; {len(diffs) - 3} more differing key(s)" if len(diffs) > 3 else ""

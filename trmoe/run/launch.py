@@ -129,7 +129,7 @@ class Launch:
                 kept = records.trim_csv(path, step)
                 if path == metrics:
                     self.metrics_rows = kept
-        expected = self.checkpoint.meta.get("metrics", {}).get("rows")
+        expected = self._expected_rows()
         if expected is not None and expected != self.metrics_rows:
             log.warning(
                 "metrics.csv has %d rows up to step %d, the checkpoint recorded %d",
@@ -137,6 +137,12 @@ class Launch:
                 step,
                 expected,
             )
+
+    def _expected_rows(self) -> int | None:
+        """The metrics.csv rows up to the checkpoint's step, as the checkpoint recorded them."""
+        if self.mode != "resume" or self.checkpoint is None:
+            return None
+        return self.checkpoint.meta.get("metrics", {}).get("rows")
 
     def continued_csvs(self) -> list[Path]:
         """The per-step CSVs a resume continues: the run's own, or those of the run whose checkpoint it
@@ -173,6 +179,9 @@ class Launch:
                     "requested": self.requested,
                     "volatile_changes": self.diff.as_record("volatile"),
                     "forced": self.forced,  # training-critical differences continued with force_resume
+                    # metrics.csv rows kept up to from_step and those the checkpoint recorded: fewer kept
+                    # (resumed without its metrics.csv) is a gap the report names
+                    "metrics_rows": [self.metrics_rows, self._expected_rows()],
                 }
             )
         return {
