@@ -20,7 +20,7 @@ from typing import Any
 
 from trmoe.report.compare import Arm, swept_keys
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict
-from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary
+from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, resume_warnings
 from trmoe.run.status import FAILED, FINISHED
 
 ITEMS = {
@@ -266,21 +266,8 @@ def check(
             f"{len(disagree)} run(s) whose records disagree: "
             + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
         )
-    changed = [r for r in runs if summaries[r.name].held_out_note]
-    changed_text = ""
-    if changed:
-        changed_text = (
-            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
-            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
-        )
-        warnings.append(changed_text)
-    gaps = [r for r in runs if summaries[r.name].history_gap]
-    if gaps:
-        warnings.append(
-            f"{len(gaps)} run(s) whose metrics.csv misses part of the run (curves, best eval and throughput "
-            "cover only what it holds): "
-            + "; ".join(f"{r.name}: {summaries[r.name].history_gap}" for r in gaps)
-        )
+    resumed, changed_text = resume_warnings(runs, summaries)
+    warnings += resumed
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:
         warnings.append(
@@ -355,7 +342,7 @@ def check(
             detail = _same_detail(item, common, arms)
             if item == "budget" and split:
                 detail += "; split otherwise: " + "; ".join(f"`{k}`: {_values_text(v)}" for k, v, _ in split)
-            if item == "eval" and changed:  # one set across runs, but not across a run's own evaluations
+            if item == "eval" and changed_text:  # one set across runs, but not across a run's own evaluations
                 items.append(CheckItem(item, title, "DIFFERS", f"{detail}; but {changed_text}"))
                 continue
             items.append(CheckItem(item, title, "same", detail))

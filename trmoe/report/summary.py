@@ -159,3 +159,24 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         disagreements=end.disagreements,
         history_gap=gap,
     )
+
+
+def resume_warnings(runs: list[Run], summaries: dict[str, Summary]) -> tuple[list[str], str]:
+    """The report's warnings of what resumes did to runs' records: a held-out set that changed (also
+    returned alone: the checklist's evaluation row repeats it; "" if none) and metrics.csv rows lost."""
+    warnings, changed_text = [], ""
+    changed = [r for r in runs if summaries[r.name].held_out_note]
+    if changed:
+        changed_text = (
+            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
+            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
+        )
+        warnings.append(changed_text)
+    gaps = [r for r in runs if summaries[r.name].history_gap]
+    if gaps:
+        warnings.append(
+            f"{len(gaps)} run(s) whose metrics.csv misses part of the run (curves, best eval and throughput "
+            "cover only what it holds): "
+            + "; ".join(f"{r.name}: {summaries[r.name].history_gap}" for r in gaps)
+        )
+    return warnings, changed_text
