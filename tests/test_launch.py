@@ -13,7 +13,7 @@ from helpers import assert_same_run, cli, metrics_rows, train_in_process, tree_d
 from presets import RANDOM_IDS_CPU, RESUME_BASE, RESUME_SMALL
 
 from trmoe.errors import UserError
-from trmoe.run.checkpoint import load_checkpoint
+from trmoe.run.checkpoint import load_checkpoint, seal_meta
 
 # ------------------------------------------------------------------------------ the run directory
 
@@ -117,7 +117,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_left_alone(small_run, tmp_pa
     assert tree_digest(run_dir) == before
 
 
-def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished(small_run, tmp_path):
+def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished(small_run, tmp_path, caplog):
     import shutil
 
     from trmoe.run import status
@@ -129,10 +129,51 @@ def test_a_relaunch_of_a_run_killed_after_its_final_checkpoint_marks_it_finished
     assert train_in_process(run_dir, *RESUME_SMALL) == final
     recorded = json.loads((run_dir / "status.json").read_text())
     assert recorded["status"] == "finished" and recorded["final_eval_loss"] == final
-    # a failure the run recorded itself stays (a guard that stopped the last step saved it too)
+    # failed after its final checkpoint was saved (a tracker, closing a file): finished, and the log says so
+    # (old code: "complete: nothing to do" while status.json and so the report kept "failed")
+    status.write_status(run_dir, status.FAILED, error="OSError: the tracker could not close")
+    with caplog.at_level("INFO", logger="trmoe"):
+        train_in_process(run_dir, *RESUME_SMALL)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert "said failed (OSError: the tracker could not close)" in caplog.text
+
+
+def test_a_resume_without_metrics_csv_is_recorded_and_reported(small_run, tmp_path):
+    """Old code: the report said "Warnings: None" of a run whose metrics.csv lost every row before the
+    resume."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    (run_dir / "metrics.csv").unlink()
+    train_in_process(run_dir, *EXTEND)
+    entry = json.loads((run_dir / "run_config.json").read_text())["resumes"][-1]
+    kept, expected = entry["metrics_rows"]
+    assert kept == 0 and expected > 0
+    result = cli([str(run_dir), "--no-plots", "--quiet"], cwd=tmp_path, module="trmoe.report")
+    assert result.returncode == 0, result.stderr
+    warnings = (run_dir / "report.md").read_text().split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert f"resumed at step 4 with 0 of the {expected} metrics.csv rows before it" in warnings
+
+
+def test_a_relaunch_of_a_run_a_guard_halted_at_its_last_step_stays_failed(small_run, tmp_path, caplog):
+    """A guard's halt saves its checkpoint too: that one is no completed run (meta.json `halted`)."""
+    import shutil
+
+    from trmoe.run import status
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    meta_path = run_dir / "checkpoints" / "step_00000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["halted"] is False  # what every save records
+    meta_path.write_text(seal_meta({**meta, "halted": True}))  # as a guard's halt saves it
     status.write_status(run_dir, status.FAILED, error="RunFailed: stopped at step 4")
-    train_in_process(run_dir, *RESUME_SMALL)
+    with caplog.at_level("INFO", logger="trmoe"):
+        train_in_process(run_dir, *RESUME_SMALL)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+    assert "saved by the failure it records (RunFailed: stopped at step 4)" in caplog.text
+    assert "is complete" not in caplog.text
 
 
 # ------------------------------------------------------- damaged or foreign records: refused before writes

@@ -134,3 +134,81 @@ def test_an_unreadable_declaration_record_is_a_note(tmp_path):
     run = load_runs([run_dir])[0]
     assert any("`metrics_declared` is not a list of declarations" in n for n in run.unreadable)
     assert run.declaration("tok_s").unit == "tokens/s"  # as the code before the declarations wrote it
+
+
+def _record(run_dir: Path, **fields) -> None:
+    """Merge `fields` into the run's run_config.json (one level deep: dicts merged)."""
+    path = run_dir / "run_config.json"
+    record = json.loads(path.read_text())
+    for key, value in fields.items():
+        record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(json.dumps(record))
+
+
+def _checklist(md: str) -> str:
+    return md.split("## Comparability checklist", 1)[1].split("\n## ", 1)[0]
+
+
+def _report_md(runs: Path, tmp_path: Path) -> str:
+    result = cli([str(runs), "--no-plots", "--quiet"], cwd=tmp_path, module="trmoe.report")
+    assert result.returncode == 0, result.stderr
+    return (runs / "report.md").read_text()
+
+
+def test_another_split_of_the_same_tokens_per_step_is_no_budget_difference(tmp_path):
+    """micro_batch 1 x grad_accum 2 vs 2 x 1, same tokens per step and total (old code: "Token budget
+    DIFFERS: micro_batch 1 vs 2, grad_accum 2 vs 1"); another tokens per step still differs."""
+    runs = tmp_path / "runs"
+    for name, micro, accum in (("a", 1, 2), ("b", 2, 1)):
+        _run(runs / name, ROWS)
+        _record(
+            runs / name,
+            config={"trainer": {"steps": 4, "seed": 0, "micro_batch": micro, "grad_accum": accum}},
+            total_tokens=4096,
+            tokens_per_step=1024,
+            derived={"eval_windows": 8},
+        )
+    checklist = _checklist(_report_md(runs, tmp_path))
+    budget = next(line for line in checklist.splitlines() if line.startswith("| Token budget"))
+    assert "| same |" in budget and "split otherwise" in budget and "micro_batch" in budget
+    _record(runs / "b", tokens_per_step=2048, total_tokens=8192)
+    md = _report_md(runs, tmp_path)
+    assert "Token budget differs" in md.split("## Comparability checklist", 1)[0]
+
+
+def test_a_recorded_but_unknown_eval_bpb_is_not_estimated(tmp_path):
+    """eval_bpb recorded as NaN (ids that are not text): no estimate footnoted "the run did not record
+    eval_bpb" (old code); a run without the column is estimated, and says so."""
+    rows = [r.rsplit(",", 1)[0] + ",nan" for r in ROWS]
+    run_dir = _run(tmp_path / "r", rows)
+    _record(run_dir, data={"eval": {"tokens": 1000, "bytes": 4000}})
+    s = summarize(load_runs([run_dir])[0])
+    assert s.eval_bpb is None and not s.bpb_estimated
+    bare = _run(tmp_path / "bare", [r.rsplit(",", 1)[0] for r in ROWS])
+    (bare / "metrics.csv").write_text(
+        "\n".join(["step,tokens,train_loss,eval_loss", *[r.rsplit(",", 1)[0] for r in ROWS]]) + "\n"
+    )
+    _record(bare, data={"eval": {"tokens": 1000, "bytes": 4000}})
+    s = summarize(load_runs([bare])[0])
+    assert s.bpb_estimated and s.eval_bpb is not None
+
+
+def test_a_resume_without_metrics_csv_is_a_warning_and_a_changed_held_out_set_no_same_row(tmp_path):
+    """Old code: "Warnings: None" after a resume that lost metrics.csv's earlier rows, and the checklist row
+    "steps ..., N tokens scored each" marked same after the report warned the held-out set changed."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        _run(runs / name, ROWS)
+    _record(runs / "a", resumes=[{"from_step": 2, "metrics_rows": [0, 2], "volatile_changes": {}}])
+    (runs / "a" / "metrics.csv").write_text("\n".join([HEADER, *ROWS[2:]]) + "\n")
+    md = _report_md(runs, tmp_path)
+    warnings = md.split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "None:" not in warnings
+    assert "a: resumed at step 2 with 0 of the 2 metrics.csv rows before it" in warnings
+    (runs / "a" / "metrics.csv").write_text("\n".join([HEADER, *ROWS]) + "\n")
+    _record(runs / "a", resumes=[])
+    changes = {"derived.eval_windows": [8, 4]}
+    _record(runs / "b", resumes=[{"from_step": 2, "volatile_changes": changes}])
+    checklist = _checklist(_report_md(runs, tmp_path))
+    row = next(line for line in checklist.splitlines() if line.startswith("| Evaluation checkpoints"))
+    assert "**DIFFERS**" in row and "held-out set changed on resume at step 2 (8 -> 4 windows)" in row

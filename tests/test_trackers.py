@@ -234,3 +234,23 @@ def test_mlflow_store_is_the_local_database_unless_a_file_store_is_there(tmp_pat
     assert trackers.default_store(runs / "r") == (runs / "mlruns").resolve().as_uri()
     assert trackers.tracker_name("eval_loss/help", SECTIONS) == "eval/loss/help"
     assert trackers.tracker_name("acc_norm/piqa", SECTIONS) == "downstream/acc_norm/piqa"
+
+
+def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
+    """logger=tensorboard chosen only when the run is resumed (small_run: 4 steps, extended to 6): it gets
+    metrics.csv's rows of steps 1-4 first (old code: steps 5-6 only, with no notice)."""
+    import shutil
+
+    from helpers import train_in_process
+    from presets import RESUME_SMALL
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(small_run, run_dir)
+    extended = ["trainer.steps=6", "optimizer.decay_steps=4"]
+    train_in_process(run_dir, *RESUME_SMALL, *extended, "logger=tensorboard")
+    assert "tensorboard added at this resume: " in (run_dir / "train.log").read_text()
+    expected = {trackers.tracker_name(k, SECTIONS): v for k, v in _csv_series(run_dir).items()}
+    tb = _tensorboard_series(run_dir / "tensorboard")
+    assert [s for s, _ in tb["train/loss"]] == list(range(1, 7))
+    for tag, points in tb.items():
+        assert dict(points) == pytest.approx(expected[tag], rel=1e-6, abs=1e-12), tag

@@ -20,7 +20,7 @@ from typing import Any
 
 from trmoe.report.compare import Arm, swept_keys
 from trmoe.report.runs import SEED_KEY, Run, is_hidden_key, override_dict
-from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary
+from trmoe.report.summary import THROUGHPUT_WARMUP_STEPS, Summary, resume_warnings
 from trmoe.run.status import FAILED, FINISHED
 
 ITEMS = {
@@ -46,6 +46,14 @@ BUDGET_KEYS = (
     "derived.world_size",
 )
 BUDGET_KEYS += tuple(f"config.trainer.{k}" for k in ("steps", "micro_batch", "grad_accum", "seq_len"))
+# How a step's tokens are split over micro-batches, accumulation and devices: with the same tokens per step
+# and total the runs train on the same budget (the held-out set each scores is its own item, eval).
+SPLIT_KEYS = (
+    "config.trainer.micro_batch",
+    "config.trainer.grad_accum",
+    "world_size",
+    "derived.world_size",
+)
 
 
 def item_of(key: str) -> str:
@@ -258,12 +266,8 @@ def check(
             f"{len(disagree)} run(s) whose records disagree: "
             + "; ".join(f"{r.name}: {', '.join(summaries[r.name].disagreements)}" for r in disagree)
         )
-    changed = [r for r in runs if summaries[r.name].held_out_note]
-    if changed:
-        warnings.append(
-            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
-            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
-        )
+    resumed, changed_text = resume_warnings(runs, summaries)
+    warnings += resumed
     unreadable = [r for r in runs if r.unreadable]
     if unreadable:
         warnings.append(
@@ -316,7 +320,10 @@ def check(
             and (recipes_equal or any(_explains(s, key) for s in swept))
         )
         differing[item_of(key)].append((key, by_value, explained))
-
+    split = []
+    if "tokens_per_step" in common and "total_tokens" in common:
+        split = [d for d in differing["budget"] if d[0] in SPLIT_KEYS]
+        differing["budget"] = [d for d in differing["budget"] if d[0] not in SPLIT_KEYS]
     items = []
     for item, title in ITEMS.items():
         if item == "seeds":
@@ -332,7 +339,13 @@ def check(
             items.append(CheckItem(item, title, "UNKNOWN", "not recorded by " + ", ".join(unknown)))
             continue
         if not diffs:
-            items.append(CheckItem(item, title, "same", _same_detail(item, common, arms)))
+            detail = _same_detail(item, common, arms)
+            if item == "budget" and split:
+                detail += "; split otherwise: " + "; ".join(f"`{k}`: {_values_text(v)}" for k, v, _ in split)
+            if item == "eval" and changed_text:  # one set across runs, but not across a run's own evaluations
+                items.append(CheckItem(item, title, "DIFFERS", f"{detail}; but {changed_text}"))
+                continue
+            items.append(CheckItem(item, title, "same", detail))
             continue
         shown = "; ".join(f"`{k}`: {_values_text(v)}" for k, v, _ in diffs[:3])
         shown += f"; {len(diffs) - 3} more differing key(s)" if len(diffs) > 3 else ""

@@ -20,7 +20,7 @@ class Summary:
     final_eval: float | None
     best_eval: float | None
     eval_bpb: float | None
-    bpb_estimated: bool  # True: from the held-out split's bytes per token, not recorded by the run
+    bpb_estimated: bool  # True: from the held-out split's bytes per token; the run has no eval_bpb column
     train_loss: float | None
     median_tok_s: float | None
     tok_s_rows: list[int]  # the steps whose windows the median is taken over
@@ -35,6 +35,7 @@ class Summary:
     held_out_note: str | None = None  # the held-out set changed on a resume: best_eval covers the last set
     diverged: str | None = None  # why the run counts as diverged (trmoe.report.integrity); None if it did not
     disagreements: list[str] = field(default_factory=list)  # its records contradict each other
+    history_gap: str | None = None  # metrics.csv lacks the steps before a resume (resumed without it)
 
 
 def is_accuracy(column: str) -> bool:
@@ -97,7 +98,10 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
     bpb = bpb if bpb is not None and math.isfinite(bpb) else None
     split = (run.record.get("data") or {}).get("eval")
     split = split if isinstance(split, dict) else {}  # data=random describes its eval stream in words
-    if bpb is None and final_eval is not None and split.get("tokens") and split.get("bytes"):  # (NaN stays)
+    # Estimated only where the run has no eval_bpb column: a recorded NaN (ids that are not text) or rows
+    # that disagree stay unknown, and the report's footnote "the run did not record eval_bpb" stays true.
+    unrecorded = bpb is None and not run.has_column("eval_bpb")
+    if unrecorded and final_eval is not None and split.get("tokens") and split.get("bytes"):
         # nats/token -> bits/byte with the held-out split's tokens per byte (the scored batches are a prefix)
         bpb, estimated = final_eval / math.log(2) * split["tokens"] / split["bytes"], True
 
@@ -118,6 +122,16 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         mfu = None
 
     tokens = value_at(run, end.final_step, "tokens")
+    gap = None
+    resumes = run.record.get("resumes")
+    for entry in resumes if isinstance(resumes, list) else []:
+        kept_rows = entry.get("metrics_rows") if isinstance(entry, dict) else None
+        kept, expected = kept_rows if isinstance(kept_rows, list) and len(kept_rows) == 2 else [None, None]
+        if isinstance(kept, int) and isinstance(expected, int) and kept < expected:
+            gap = (
+                f"resumed at step {entry.get('from_step')} with {kept} of the {expected} metrics.csv rows "
+                "before it (the others are lost)"
+            )
     params = run.record.get("params") or {}
     return Summary(
         final_eval=final_eval,
@@ -143,4 +157,26 @@ def summarize(run: Run, peak_override: float | None = None) -> Summary:
         held_out_note=note,
         diverged=end.diverged,
         disagreements=end.disagreements,
+        history_gap=gap,
     )
+
+
+def resume_warnings(runs: list[Run], summaries: dict[str, Summary]) -> tuple[list[str], str]:
+    """The report's warnings of what resumes did to runs' records: a held-out set that changed (also
+    returned alone: the checklist's evaluation row repeats it; "" if none) and metrics.csv rows lost."""
+    warnings, changed_text = [], ""
+    changed = [r for r in runs if summaries[r.name].held_out_note]
+    if changed:
+        changed_text = (
+            f"{len(changed)} run(s) evaluated on different held-out sets over time (no best eval across "
+            "them): " + "; ".join(f"{r.name}: {summaries[r.name].held_out_note}" for r in changed)
+        )
+        warnings.append(changed_text)
+    gaps = [r for r in runs if summaries[r.name].history_gap]
+    if gaps:
+        warnings.append(
+            f"{len(gaps)} run(s) whose metrics.csv misses part of the run (curves, best eval and throughput "
+            "cover only what it holds): "
+            + "; ".join(f"{r.name}: {summaries[r.name].history_gap}" for r in gaps)
+        )
+    return warnings, changed_text

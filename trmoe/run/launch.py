@@ -68,6 +68,7 @@ class Launch:
     previous: dict[str, Any] | None = None  # the directory's run_config.json
     stored_view: dict[str, Any] = field(default_factory=dict)
     metrics_rows: int = 0
+    metrics_expected: int | None = None  # metrics.csv rows up to the resumed step, as its checkpoint says
 
     @property
     def start_step(self) -> int:
@@ -129,7 +130,7 @@ class Launch:
                 kept = records.trim_csv(path, step)
                 if path == metrics:
                     self.metrics_rows = kept
-        expected = self.checkpoint.meta.get("metrics", {}).get("rows")
+        expected = self.metrics_expected = self.checkpoint.meta.get("metrics", {}).get("rows")
         if expected is not None and expected != self.metrics_rows:
             log.warning(
                 "metrics.csv has %d rows up to step %d, the checkpoint recorded %d",
@@ -173,6 +174,7 @@ class Launch:
                     "requested": self.requested,
                     "volatile_changes": self.diff.as_record("volatile"),
                     "forced": self.forced,  # training-critical differences continued with force_resume
+                    "metrics_rows": [self.metrics_rows, self.metrics_expected],  # fewer kept: a gap (report)
                 }
             )
         return {

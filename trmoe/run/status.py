@@ -54,3 +54,34 @@ def read_status(run_dir: Path) -> dict | None:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
+
+
+def settle_complete(run_dir: Path, step: int, meta: dict) -> str:
+    """The status of a run relaunched whose newest checkpoint is its last step (nothing to train), written
+    so that status.json, the log and the report say one thing; returns the log line. `meta`: that
+    checkpoint's meta.json.
+
+    Killed after its final checkpoint before it said so (no status, running), or failed after it was saved
+    (a tracker, a downstream evaluation, closing a file): it finished. A checkpoint a guard's halt saved
+    (meta `halted`; unknown in checkpoints written before it was recorded) stays failed, and the line says
+    so rather than "complete"."""
+    from trmoe.durable import number
+
+    final = number(meta.get("eval_loss"))
+    final = float("nan") if final is None else final
+    recorded = read_status(run_dir)
+    said = recorded.get("status") if isinstance(recorded, dict) else None
+    error = (recorded.get("error") if isinstance(recorded, dict) else None) or "no error recorded"
+    if said == FAILED and meta.get("halted") is not False:
+        return (
+            f"{run_dir}: its final checkpoint (step {step}) was saved by the failure it records ({error}): "
+            "nothing to retrain, it stays failed (run.overwrite=true trains it again)"
+        )
+    if said in (None, RUNNING, FAILED):
+        write_status(run_dir, FINISHED, final_eval_loss=final)
+    if said == FAILED:
+        return (
+            f"{run_dir} is complete at step {step}: status.json said failed ({error}) after its final "
+            "checkpoint was saved; now finished"
+        )
+    return f"{run_dir} is complete at step {step}: nothing to do"

@@ -19,7 +19,9 @@ A resumed run continues the same tracker run: MLflow's run id and W&B's id are k
 <run dir>/trackers.json, and no step is logged twice — TensorBoard purges what the killed attempt logged after
 the checkpoint (a SessionLog START at the resumed step, which TensorBoard's readers honour); MLflow and W&B,
 whose histories only append, get the rows after the last step they already hold (a CPU resume recomputes those
-rows bit for bit).
+rows bit for bit). A tracker chosen only at a resume (none of its records in the run) gets the metrics.csv
+rows up to the resumed step first, so it holds the whole run; telemetry's per-layer scalars of those steps
+are not replayed, and the log says so.
 
 The trackers are optional extras (`pip install trmoe[trackers]`), imported only when chosen.
 """
@@ -245,6 +247,14 @@ def default_store(run_dir: Path) -> str:
     return f"sqlite:///{runs / 'mlflow.db'}"
 
 
+def _holds_records(name: str, cfg: LoggerConfig, run_dir: Path, previous: dict) -> bool:
+    """Whether tracker `name` already holds this run's earlier steps: TensorBoard's event files in its
+    directory, MLflow's and W&B's run ids in trackers.json."""
+    if name == "tensorboard":
+        return any((run_dir / cfg.tensorboard.dir).glob("events.out.tfevents.*"))
+    return bool(previous.get(name))
+
+
 def _tags(identity: dict) -> dict[str, str]:
     return {f"trmoe.{k}": str(v) for k, v in identity.items()}
 
@@ -274,10 +284,15 @@ class Trackers:
         check_installed(cfg)
         path = run_dir / TRACKERS_FILE
         previous = json.loads(path.read_text()) if resume_step is not None and path.is_file() else {}
+        added = []  # chosen at this resume: nothing of the steps before it is in them yet
         for name in names:
+            resumed = resume_step is not None and resume_step > 0
+            if resumed and not _holds_records(name, cfg, run_dir, previous):
+                added.append(name)
             if name == "tensorboard":
                 eval_loss = tracker_name("eval_loss", self.sections)
-                tracker = _TensorBoard(cfg.tensorboard, run_dir, identity, config, resume_step, eval_loss)
+                start = None if name in added else resume_step  # a new one: its hparams, nothing to purge
+                tracker = _TensorBoard(cfg.tensorboard, run_dir, identity, config, start, eval_loss)
             elif name == "mlflow":
                 tokens = tracker_name("tokens", self.sections)
                 tracker = _MLflow(cfg.mlflow, run_dir, identity, config, previous.get("mlflow"), tokens)
@@ -286,6 +301,34 @@ class Trackers:
             self._trackers[name] = tracker
         self._save()
         log.info("trackers: %s", ", ".join(names))
+        if added:
+            self._backfill(added, resume_step)
+
+    def _backfill(self, names: list[str], through_step: int) -> None:
+        """The metrics.csv rows up to `through_step` into the trackers `names` (added at this resume)."""
+        from trmoe.run.records import read_step_rows
+        from trmoe.run.rundir import METRICS
+
+        header, rows = read_step_rows(self.run_dir / METRICS, through_step)
+        for row in rows:
+            values = {}
+            for key, text in zip(header or [], row, strict=True):
+                try:
+                    values[key] = float(text)
+                except ValueError:
+                    continue  # an empty cell: not logged at that step
+            named = {tracker_name(k, self.sections): v for k, v in scalars(values).items()}
+            for name in names:
+                self._trackers[name].log(named, int(values["step"]), [])
+        self._save()
+        log.info(
+            "trackers: %s added at this resume: %d metrics.csv rows up to step %d logged first (per-layer "
+            "telemetry scalars start after step %d)",
+            ", ".join(names),
+            len(rows),
+            through_step,
+            through_step,
+        )
 
     def _save(self) -> None:
         state = {name: t.state for name, t in self._trackers.items() if t.state}

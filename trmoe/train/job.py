@@ -72,18 +72,8 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     preflight.check(plan, cfg)
     init = init_from.resolve(cfg, plan, dist_env.world_size)  # trainer.init_from: the parent, checked
     if plan.mode == "complete":
-        log.info(
-            "%s is complete at step %d (trainer.steps=%d): nothing to do",
-            run.path,
-            plan.start_step,
-            cfg.trainer.steps,
-        )
-        recorded = status.read_status(run.path)
-        said = recorded.get("status") if isinstance(recorded, dict) else None
-        if rank == 0 and said in (None, status.RUNNING):
-            # killed after its final checkpoint, before it could say so (a failure it recorded stays: a guard
-            # that stopped the last step also saved it)
-            status.write_status(run.path, status.FINISHED, final_eval_loss=plan.final_eval_loss)
+        if rank == 0:  # status.json, the log and so the report agree on what the run is
+            log.info("%s", status.settle_complete(run.path, plan.start_step, plan.checkpoint.meta))
         return plan.final_eval_loss
     check_backends(cfg, device)  # loss backend and compile backend: before anything is written
     trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written

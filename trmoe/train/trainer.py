@@ -216,6 +216,7 @@ class Trainer:
         """CheckpointStore.save's arguments for the current step."""
         state, metrics = self.state, self.output.metrics.sync()
         meta = {"tokens": state.tokens, "eval_loss": state.eval_loss, "metrics": metrics, **self.identity}
+        meta["halted"] = self.guard.too_many_skips  # a guard's stop: a relaunch must not call it finished
         return dict(model=self.model, optimizer=self.optimizer, local_state=self.state_dict(), meta=meta)
 
     # ------------------------------------------------------------------------------------------- the run
