@@ -98,6 +98,22 @@ print(json.dumps(out))
 """
 
 
+def _read_store(script: str, runs: Path, cwd: Path):
+    """What `script` prints (JSON) reading <runs>/mlflow.db with MLflow's own client, in a process that never
+    set MLFLOW_ALLOW_FILE_STORE (as a user's script or `mlflow ui` would)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    read = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{runs / 'mlflow.db'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert read.returncode == 0, read.stderr[-3000:]
+    return json.loads(read.stdout)
+
+
 # (the kill, the steps the killed attempt logged that the rerun logs again, what the rerun says)
 KILLS = [
     ("step:6:after", {5, 6}, "resumed at step 4"),  # after the checkpoint of step 4
@@ -150,16 +166,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
 
     # MLflow's local database beside the run directories, read by MLflow's own client in a process that never
     # set MLFLOW_ALLOW_FILE_STORE (as a user's script or `mlflow ui` would): one run, its params, its history
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
-    read = subprocess.run(
-        [sys.executable, "-c", _READ_MLFLOW, f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert read.returncode == 0, read.stderr[-3000:]
-    (run,) = json.loads(read.stdout)
+    (run,) = _read_store(_READ_MLFLOW, tmp_path / "runs", tmp_path)
     assert run["run_id"] == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
     assert run["name"] == "r" and run["status"] == "FINISHED"
     params = run["params"]
@@ -285,17 +292,7 @@ def test_mlflow_artifacts_beside_the_store_and_no_local_path_recorded(tmp_path, 
     )
     assert not (elsewhere / "mlruns").exists() and not list(elsewhere.iterdir())
 
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
-    read = subprocess.run(
-        [sys.executable, "-c", _READ_STORE, f"sqlite:///{runs / 'mlflow.db'}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert read.returncode == 0, read.stderr[-3000:]
-    store = json.loads(read.stdout)
+    store = _read_store(_READ_STORE, runs, tmp_path)
     assert store["run_id"] == json.loads(recorded)["mlflow"]["run_id"]  # one run across the resume
     assert store["artifact_location"] == (runs / "mlartifacts").resolve().as_uri()
     assert store["artifacts"] == [
