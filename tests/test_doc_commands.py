@@ -19,7 +19,9 @@ without training:
 - `make <target>`: `make -n` knows the target; `pip install -e ".[x]"`: each extra is in pyproject.toml;
   `bash <script>`: the script exists and parses (`bash -n`).
 
-What cannot run here is listed in SKIPPED with its reason; anything else unknown fails the test.
+What cannot run here is listed in SKIPPED with its reason; anything else unknown fails the test. A
+documented sweep of arms (`arm=`, `routing=`) must compare models of one parameter count, or be its grid's
+parameter match off only by the reported residual.
 """
 
 from __future__ import annotations
@@ -324,3 +326,68 @@ def test_the_docs_state_the_sweep_layout_and_trial_count_the_config_has():
     trials = compose_packaged(["hparams_search=lr_warmup"], hydra_node=True).hydra.sweeper.n_trials
     readme = (ROOT / "README.md").read_text()
     assert f"{trials} trials by default" in readme
+
+
+COMPARED = ("arm=", "routing=", "routing.strategy=")  # a sweep over these compares its values as arms
+
+
+def _compared_groups(command: Command) -> list[list[list[str]]]:
+    """A documented training sweep's jobs that a report compares as arms of one another: the same overrides
+    but for the compared keys (and the seed). Nothing when the command sweeps none of them."""
+    from trmoe.config.hydra_adapter import args_parser
+    from trmoe.config.sweep import sweep_jobs
+
+    try:
+        module, args = _module(command.argv)
+    except AssertionError:  # not a python program (make, pip, bash, ...)
+        return []
+    if module != "trmoe.train" or "--help" in args or "--cfg" in args:
+        return []
+    parsed = args_parser().parse_args(args)
+    if parsed.config_dir or any(o.startswith("hparams_search=") for o in parsed.overrides):
+        return []
+    jobs, _ = sweep_jobs(list(parsed.overrides), cli_multirun=parsed.multirun)
+    groups: dict[tuple[str, ...], list[list[str]]] = {}
+    for job in jobs:
+        job = [o for o in job if not o.startswith("hydra.")]
+        rest = tuple(o for o in job if not o.startswith((*COMPARED, "trainer.seed=")))
+        groups.setdefault(rest, []).append(job)
+    return [g for g in groups.values() if len({tuple(o for o in j if o.startswith(COMPARED)) for j in g}) > 1]
+
+
+def test_every_documented_comparison_is_of_matched_models(world):
+    """A documented sweep whose arms a report compares trains models of one parameter count, or each arm is
+    its grid's parameter match (one `model.match_params`) off only by the match's residual, which the run
+    records and the report names (the learned router's L x E x H parameters, docs/experiments.md). Old docs:
+    after_training.md's downstream sweep without its grid, 12,899,904 against 12,924,484 parameters and no
+    match at all. Counts from each job's composed config (the model on the meta device)."""
+    from trmoe.config.param_match import solve_match
+    from trmoe.config.resolve import compose_packaged, to_config
+    from trmoe.config.spec import model_spec
+    from trmoe.model.transformer import parameter_counts
+
+    unmatched, checked = [], 0
+    for command in COMMANDS:
+        if _skip_reason(command) is not None:
+            continue
+        with _cwd(world):
+            groups = _compared_groups(command)
+        for group in groups:
+            counts, solutions = {}, {}
+            for job in group:
+                arm = " ".join(o for o in job if o.startswith(COMPARED))
+                if arm not in counts:
+                    with _cwd(world):
+                        cfg = to_config(compose_packaged(job))
+                    counts[arm], solutions[arm] = parameter_counts(model_spec(cfg)).total, solve_match(cfg)
+            checked += 1
+            targets = {s.target if s else None for s in solutions.values()}
+            residuals_only = (
+                None not in targets
+                and len(targets) == 1
+                and all(abs(s.residual) < 1e-3 * s.target for s in solutions.values())
+            )
+            if len(set(counts.values())) > 1 and not residuals_only:
+                unmatched.append(f"{command}\n    {counts}")
+    assert checked >= 3, "no documented comparison was found"
+    assert not unmatched, "documented comparisons of unmatched models:\n" + "\n".join(unmatched)

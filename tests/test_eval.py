@@ -7,8 +7,10 @@ and exit 2."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +113,62 @@ def test_rolling_loglikelihood_and_generation(lm):
         (new,) = generate(lm.model, [enc.encode(prompt)], Sampling(12, greedy=True), eos_id=EOS_ID)
         assert out == enc.decode([t for t in new if t != EOS_ID]).split(".")[0]
         assert "." not in out
+
+
+def _scored_on(stderr, lm, monkeypatch) -> None:
+    """Score 8 loglikelihood requests (tiny_mc's first question's choices, twice) with sys.stderr
+    replaced by `stderr`, as tqdm reads it when the bar is made."""
+    from lm_eval.api.instance import Instance
+
+    monkeypatch.setattr(sys, "stderr", stderr)
+    doc = _docs()[0]
+    reqs = [
+        Instance("loglikelihood", doc={}, arguments=(doc["question"], " " + c), idx=i)
+        for i, c in enumerate(doc["choices"] * 2)
+    ][:8]
+    assert len(lm.loglikelihood(reqs)) == len(reqs)
+    stderr.flush()
+
+
+def _drawn_on_a_terminal(lm, monkeypatch) -> str:
+    """What scoring wrote to a real pseudo-terminal as its stderr."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # a terminal's size, as a real one has (a new pty is 0 columns wide: tqdm would draw an empty line)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    try:
+        with os.fdopen(slave, "w") as terminal:
+            _scored_on(terminal, lm, monkeypatch)
+        os.set_blocking(master, False)
+        try:
+            return os.read(master, 65536).decode(errors="replace")
+        except BlockingIOError:  # nothing was written
+            return ""
+    finally:
+        os.close(master)
+
+
+BAR = re.compile(r"trmoe loglikelihood: 100%.*\b(\d+)/\1 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+ ?(req/s|s/req)\]")
+
+
+def test_scoring_draws_a_bar_on_a_terminal_only(lm, monkeypatch, tmp_path):
+    """Old code: `--model trmoe` scored every request in silence. On a real pseudo-terminal: requests done /
+    total, elapsed < remaining (the ETA) and the rate; on a file: no bar of ours (a log gets no bar lines);
+    none with progress=False (training's downstream columns) even on a terminal."""
+    drawn = _drawn_on_a_terminal(lm, monkeypatch)
+    assert BAR.search(drawn) and "8/8" in drawn, drawn
+    with open(tmp_path / "log", "w") as log:
+        _scored_on(log, lm, monkeypatch)
+    # (the harness's own "Tokenizing inputs" bar is written there either way: not trmoe's to silence)
+    assert "trmoe" not in (tmp_path / "log").read_text()
+    assert "trmoe" not in _drawn_on_a_terminal(
+        TRMoELM(model=lm.model, batch_size=4, progress=False), monkeypatch
+    )
 
 
 def test_eval_cli_writes_results_adds_later_tasks_and_never_overwrites(text_run, tmp_path):

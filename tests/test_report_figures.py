@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
+import pytest
 from helpers import cli
 
 from trmoe.report.runs import load_runs
@@ -136,6 +138,7 @@ def test_an_unreadable_declaration_record_is_a_note(tmp_path):
     assert run.declaration("tok_s").unit == "tokens/s"  # as the code before the declarations wrote it
 
 
+<<<<<<< HEAD
 def _record(run_dir: Path, **fields) -> None:
     """Merge `fields` into the run's run_config.json (one level deep: dicts merged)."""
     path = run_dir / "run_config.json"
@@ -212,3 +215,111 @@ def test_a_resume_without_metrics_csv_is_a_warning_and_a_changed_held_out_set_no
     checklist = _checklist(_report_md(runs, tmp_path))
     row = next(line for line in checklist.splitlines() if line.startswith("| Evaluation checkpoints"))
     assert "**DIFFERS**" in row and "held-out set changed on resume at step 2 (8 -> 4 windows)" in row
+=======
+BLUE = (0.122, 0.467, 0.706)  # tab10's first colour: the first arm's, and a run plot's first line
+
+
+def _sweep(root: Path, seeds: int, *, throughput: bool) -> Path:
+    """A finished sweep of two arms (control, worse) x `seeds` seeds as trmoe.train writes it; each seed
+    0.3 nats above the last, so its lines lie apart; `throughput` False: no tok_s column (a short sweep
+    logs no window after the warm-up)."""
+    import numpy as np
+    from test_report_verdicts import control_curve, sweep_dir, write_run
+
+    sweep, job = sweep_dir(root, ["control", "worse"], seeds), 0
+    for seed in range(seeds):
+        for arm, delta in (("control", 0.0), ("worse", 0.2)):
+            run = sweep / str(job)
+            write_run(
+                run,
+                arm=arm,
+                seed=seed,
+                loss=lambda t, d=delta + 0.3 * seed: control_curve(t) + d,
+                tok_s=5000.0,
+                rng=np.random.default_rng(job),
+            )
+            if not throughput:
+                with open(run / "metrics.csv") as f:
+                    rows = [dict(r, tok_s="") for r in csv.DictReader(f)]
+                with open(run / "metrics.csv", "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    writer.writeheader()
+                    writer.writerows(rows)
+            job += 1
+    return sweep
+
+
+def _tint(png: Path, lo: float, hi: float, panel: tuple[int, int] = (0, 1), *, apart: bool = False) -> int:
+    """Pixels of the first arm's colour at opacity lo..hi over white, in panel i of n (side by side):
+    1.0 a solid line, ~0.4-0.5 a faint seed line (alone or over the band). `apart`: only those 3+ pixels
+    from any solid one (a solid line's anti-aliased edge is faint too)."""
+    import matplotlib.image
+    import numpy as np
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    i, n = panel
+    width = pixels.shape[1]
+    pixels = pixels[:, i * width // n : (i + 1) * width // n]
+    alpha = (1.0 - pixels) / (1.0 - np.array(BLUE))  # per channel: the opacity this pixel would need
+    tinted = alpha.max(axis=-1) - alpha.min(axis=-1) < 0.06
+    mask = tinted & (alpha.mean(axis=-1) >= lo) & (alpha.mean(axis=-1) <= hi)
+    if apart:
+        solid = tinted & (alpha.mean(axis=-1) > 0.8)
+        near = np.zeros_like(solid)
+        for dy in range(-3, 4):
+            for dx in range(-3, 4):
+                near |= np.roll(np.roll(solid, dy, axis=0), dx, axis=1)
+        mask &= ~near
+    return int(mask.sum())
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_every_plot_has_data_and_names_arm_and_seed(tmp_path, seeds):
+    """Old code: tok_s.png a bare 0..1 axis in a short sweep, seeds of an arm drawn alike in one colour,
+    run plots titled by the job number, one seed's deltas labelled "95% t interval", train loss without
+    markers. Read back from the PNGs: their pixels and the titles each records."""
+    from PIL import Image
+
+    from trmoe.report.build import build_report
+
+    sweep = _sweep(tmp_path / "sweep", seeds, throughput=seeds == 2)
+    rep = build_report([sweep], tmp_path / "report")
+    names = {p.name for p in rep.plots}
+    assert ("tok_s.png" in names) == (seeds == 2)  # no throughput window: no figure rather than an empty one
+    panels = {"loss_vs_tokens.png": 2, "loss_vs_wallclock.png": 2}
+    for png in rep.plots:
+        assert png.is_file()
+        for i in range(panels.get(png.name, 1)):
+            assert _tint(png, 0.9, 1.1, (i, panels.get(png.name, 1))) > 40, (png.name, i)  # a drawn line
+        title = Image.open(png).text["Title"]
+        if png.name.startswith("run_"):
+            job = int(png.stem.split("_")[-1])
+            arm, seed = ("routing=control", "routing=worse")[job % 2], job // 2
+            assert title.startswith(f"{arm}, seed {seed}"), title
+    assert len([n for n in names if n.startswith("run_")]) == 2 * seeds
+
+    for name, panel in ((n, (i, 2)) for n in panels for i in range(2)):
+        faint = _tint(tmp_path / "report" / "plots" / name, 0.3, 0.6, panel, apart=True)
+        assert faint > 150 if seeds == 2 else faint == 0, (name, panel, faint)  # each seed's own faint line
+
+    deltas = Image.open(tmp_path / "report" / "plots" / "paired_deltas.png").text["Title"]
+    assert deltas == "control: routing=control"
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_the_deltas_axis_promises_an_interval_only_when_drawn(tmp_path, monkeypatch, seeds):
+    """Old code: "95% t interval" on the axis of one seed's deltas, which draw none. The axis label read
+    from each figure as the report saves it."""
+    from trmoe.report import plots
+    from trmoe.report.build import build_report
+
+    labels, save = [], plots.save
+
+    def keep_labels(fig, path, **kw):
+        labels.extend(ax.get_xlabel() for ax in fig.axes if "minus control" in ax.get_xlabel())
+        return save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "save", keep_labels)
+    build_report([_sweep(tmp_path / "sweep", seeds, throughput=True)], tmp_path / "report")
+    assert labels and all(("95% t interval" in label) == (seeds == 2) for label in labels), labels
+>>>>>>> i46b

@@ -227,7 +227,7 @@ def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
 
 
 def test_the_plots_exist(report, tmp_path):
-    from trmoe.report.plots import plot_scaling
+    from trmoe.report.scaling_plots import plot_scaling
 
     _, rep = report
     written = plot_scaling(rep.scaling, tmp_path)

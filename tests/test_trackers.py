@@ -22,6 +22,7 @@ from trmoe.config.resolve import to_config
 from trmoe.errors import UserError
 from trmoe.run import trackers
 from trmoe.run.columns import sections
+from trmoe.run.rundir import RunDir
 from trmoe.train.producers import columns_documented
 
 SECTIONS = sections(columns_documented())  # metrics.csv column -> tracker scalar
@@ -97,6 +98,22 @@ print(json.dumps(out))
 """
 
 
+def _read_store(script: str, runs: Path, cwd: Path):
+    """What `script` prints (JSON) reading <runs>/mlflow.db with MLflow's own client, in a process that never
+    set MLFLOW_ALLOW_FILE_STORE (as a user's script or `mlflow ui` would)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    read = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{runs / 'mlflow.db'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert read.returncode == 0, read.stderr[-3000:]
+    return json.loads(read.stdout)
+
+
 # (the kill, the steps the killed attempt logged that the rerun logs again, what the rerun says)
 KILLS = [
     ("step:6:after", {5, 6}, "resumed at step 4"),  # after the checkpoint of step 4
@@ -128,7 +145,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
     assert {"optim/lr", "optim/grad_norm"} <= set(expected)
 
     # TensorBoard: what the killed attempt logged past the checkpoint is purged by the reader
-    tb = _tensorboard_series(run_dir / "tensorboard")
+    tb = _tensorboard_series(run_dir)
     assert set(tb) == set(expected) | set(layers)
     for tag, points in tb.items():
         steps = [s for s, _ in points]
@@ -136,7 +153,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
         assert steps == sorted(want), (tag, steps)
         for step, value in points:
             assert value == pytest.approx(want[step], rel=1e-6, abs=1e-12), (tag, step)
-    acc = _tensorboard(run_dir / "tensorboard")  # each layer's expert shares as a histogram too
+    acc = _tensorboard(run_dir)  # each layer's expert shares as a histogram too
     assert {t for t in acc.Tags()["histograms"]} == {"moe/layer_0/shares", "moe/layer_1/shares"}
     for layer in (0, 1):
         events = acc.Histograms(f"moe/layer_{layer}/shares")
@@ -149,16 +166,7 @@ def test_tensorboard_and_mlflow_match_metrics_csv_across_a_kill_and_resume(tmp_p
 
     # MLflow's local database beside the run directories, read by MLflow's own client in a process that never
     # set MLFLOW_ALLOW_FILE_STORE (as a user's script or `mlflow ui` would): one run, its params, its history
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
-    read = subprocess.run(
-        [sys.executable, "-c", _READ_MLFLOW, f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert read.returncode == 0, read.stderr[-3000:]
-    (run,) = json.loads(read.stdout)
+    (run,) = _read_store(_READ_MLFLOW, tmp_path / "runs", tmp_path)
     assert run["run_id"] == json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
     assert run["name"] == "r" and run["status"] == "FINISHED"
     params = run["params"]
@@ -236,6 +244,7 @@ def test_mlflow_store_is_the_local_database_unless_a_file_store_is_there(tmp_pat
     assert trackers.tracker_name("acc_norm/piqa", SECTIONS) == "downstream/acc_norm/piqa"
 
 
+<<<<<<< HEAD
 def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
     """logger=tensorboard chosen only when the run is resumed (small_run: 4 steps, extended to 6): it gets
     metrics.csv's rows of steps 1-4 first (old code: steps 5-6 only, with no notice)."""
@@ -254,3 +263,78 @@ def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
     assert [s for s, _ in tb["train/loss"]] == list(range(1, 7))
     for tag, points in tb.items():
         assert dict(points) == pytest.approx(expected[tag], rel=1e-6, abs=1e-12), tag
+=======
+_READ_STORE = """
+import json, sys, tempfile
+from pathlib import Path
+from mlflow.tracking import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+experiment = client.get_experiment_by_name("trmoe")
+(run,) = client.search_runs([experiment.experiment_id])
+names = sorted(a.path for a in client.list_artifacts(run.info.run_id))
+names += sorted(a.path for a in client.list_artifacts(run.info.run_id, "hydra"))
+folder = client.download_artifacts(run.info.run_id, "", tempfile.mkdtemp())
+files = {n: (Path(folder) / n).read_text() for n in ("metrics.csv", "run_config.json", "config.yaml")}
+print(json.dumps({"artifact_location": experiment.artifact_location, "run_id": run.info.run_id,
+                  "artifacts": names, "files": files}))
+"""
+
+
+def test_mlflow_artifacts_beside_the_store_and_no_local_path_recorded(tmp_path, monkeypatch):
+    """Old code: no MLflow artifacts; the experiment's artifact_location <launch folder>/mlruns; TensorBoard
+    listed the run as r/tensorboard; trackers.json and TensorBoard's text summary held absolute paths.
+    A run directory as training leaves it, the trackers driven directly (no training), read back by
+    MLflow's client in a process of its own and TensorBoard's own multiplexer over the runs folder."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    runs, elsewhere = tmp_path / "runs", tmp_path / "launched-here"
+    run_dir = runs / "r"
+    (run_dir / ".hydra").mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (run_dir / "run_config.json").write_text(json.dumps({"schema_version": 1, "config": {"a": 1}}))
+    (run_dir / ".hydra" / "config.yaml").write_text("trainer:\n  steps: 2\n")
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- trainer.steps=2\n")
+    (run_dir / "metrics.csv").write_text("step,tokens,train_loss\n1,64,5.5\n2,128,5.25\n")
+    cfg = to_config(compose_config("logger=[tensorboard,mlflow]"))
+    identity = {"run_name": "r", "run_dir": str(run_dir.resolve()), "trmoe_version": "0", "config_hash": "h"}
+    config = {"trainer": {"steps": 2}, "routing": {"strategy": cfg.routing.strategy}}
+    for resume_step, rows in ((None, [(1, 5.5)]), (1, [(2, 5.25)])):  # a resume goes on in the same runs
+        with trackers.Trackers(
+            cfg.logger, run_dir, identity=identity, config=config, resume_step=resume_step, sections=SECTIONS
+        ) as t:
+            for step, loss in rows:
+                t.log({"step": step, "tokens": 64 * step, "train_loss": loss})
+
+    recorded = (run_dir / "trackers.json").read_text()
+    assert str(tmp_path) not in recorded and json.loads(recorded)["mlflow"]["tracking_uri"] == (
+        "sqlite:///../mlflow.db"
+    )
+    assert not (elsewhere / "mlruns").exists() and not list(elsewhere.iterdir())
+
+    store = _read_store(_READ_STORE, runs, tmp_path)
+    assert store["run_id"] == json.loads(recorded)["mlflow"]["run_id"]  # one run across the resume
+    assert store["artifact_location"] == (runs / "mlartifacts").resolve().as_uri()
+    assert store["artifacts"] == [
+        "config.yaml",
+        "hydra",
+        "metrics.csv",
+        "run_config.json",
+        "hydra/config.yaml",
+        "hydra/overrides.yaml",
+    ]
+    assert store["files"]["metrics.csv"] == (run_dir / "metrics.csv").read_text()
+    assert store["files"]["run_config.json"] == (run_dir / "run_config.json").read_text()
+    assert "strategy: modulo_cyclic" in store["files"]["config.yaml"]  # resolved, plain values
+
+    mux = EventMultiplexer().AddRunsFromDirectory(str(runs))
+    mux.Reload()
+    assert list(mux.Runs()) == ["r"]  # `tensorboard --logdir runs` lists the run by its name
+    assert [e.step for e in mux.GetAccumulator("r").Scalars("train/loss")] == [1, 2]
+    (text,) = mux.GetAccumulator("r").Tensors("run/text_summary")
+    summary = text.tensor_proto.string_val[0].decode()
+    assert "**run_name**: r" in summary and str(tmp_path) not in summary
+    events = RunDir(run_dir).tensorboard_events()  # the run's own files: run.overwrite=true removes them
+    assert events and set(events) <= set(RunDir(run_dir).removable()[0])
+    assert {e.name for e in events} <= set(RunDir(run_dir).held())
+>>>>>>> i46b

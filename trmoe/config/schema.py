@@ -183,7 +183,8 @@ class CsvLogger:
 
 @dataclass
 class TensorBoardLogger:
-    dir: str = "tensorboard"  # event files, inside the run directory (`tensorboard --logdir runs`)
+    # (in a subfolder, `tensorboard --logdir runs` would list the run as <name>/<subfolder>)
+    dir: str = "."  # event files, relative to the run directory: "." (in it) lists each run by its name
 
 
 @dataclass

@@ -7,6 +7,8 @@ registered beside every model the harness knows — `hf` reads an export — or
 `lm_eval.simple_evaluate(model="trmoe", ...)` after importing this module). Log-likelihood requests are
 scored in batches by one forward each (logits only at the scored positions: never [batch, seq, vocab]);
 rolling log-likelihood uses the harness's own disjoint windows; generation uses trmoe.generate (KV cache).
+Each request type draws a progress bar on stderr (done / total, rate, ETA) when stderr is a terminal, as the
+harness's `hf` model does; `progress=False` (training's downstream columns) draws none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from tqdm import tqdm
 
 from trmoe.data.tokenizer import EOS_ID, load_o200k
 from trmoe.errors import UserError
@@ -52,6 +55,7 @@ class TRMoELM(TemplateLM):
         batch_size: int | str = 8,
         max_length: int | str | None = None,
         model: TRMoETransformer | None = None,
+        progress: bool | None = None,
         **_ignored,
     ):
         super().__init__()
@@ -69,6 +73,13 @@ class TRMoELM(TemplateLM):
         self.enc = load_o200k()
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self.max_length = min(int(max_length or model.spec.max_seq_len), model.spec.max_seq_len)
+        self.progress = progress  # None: a bar only on a terminal (tqdm's disable=None)
+
+    def _bar(self, total: int, what: str, disable_tqdm: bool):
+        """A bar over `total` requests; none when the harness asks for none, `progress` is False, or stderr
+        is not a terminal (a log file would get a line per update)."""
+        off = True if disable_tqdm or self.progress is False else None
+        return tqdm(total=total, desc=f"trmoe {what}", unit="req", disable=off, leave=True)
 
     # ---------------------------------------------------------------------------------------- tokens
 
@@ -114,13 +125,15 @@ class TRMoELM(TemplateLM):
         # longest first: batches of similar lengths, and a too-long input fails at once
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for first in range(0, len(order), self.batch_size):
-            batch = order[first : first + self.batch_size]
-            scores = self._score([(requests[i][1], requests[i][2]) for i in batch])
-            for i, score in zip(batch, scores, strict=True):
-                results[i] = score
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
+        with self._bar(len(requests), kwargs.get("what", "loglikelihood"), disable_tqdm) as bar:
+            for first in range(0, len(order), self.batch_size):
+                batch = order[first : first + self.batch_size]
+                scores = self._score([(requests[i][1], requests[i][2]) for i in batch])
+                for i, score in zip(batch, scores, strict=True):
+                    results[i] = score
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
+                bar.update(len(batch))
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -134,7 +147,8 @@ class TRMoELM(TemplateLM):
                 windows.append((None, context, continuation))
                 owner.append(index)
         totals = [0.0] * len(requests)
-        for index, (logp, _) in zip(owner, self._loglikelihood_tokens(windows), strict=True):
+        scored = self._loglikelihood_tokens(windows, disable_tqdm, what="rolling windows")
+        for index, (logp, _) in zip(owner, scored, strict=True):
             totals[index] += logp
         for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -147,6 +161,7 @@ class TRMoELM(TemplateLM):
         for i, req in enumerate(requests):
             groups[json.dumps(req.args[1], sort_keys=True, default=str)].append(i)
         results: list[str] = [""] * len(requests)
+        bar = self._bar(len(requests), "generate_until", disable_tqdm)
         for members in groups.values():
             kwargs = dict(requests[members[0]].args[1])
             until = kwargs.pop("until", None) or []
@@ -177,4 +192,6 @@ class TRMoELM(TemplateLM):
                         text = text.split(stop)[0] if stop else text
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(batch))
+        bar.close()
         return results

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from trmoe.durable import write_file
 from trmoe.errors import UserError, require_directory
-from trmoe.report import plots
+from trmoe.report import plots, scaling_plots
 from trmoe.report.checks import CheckItem, check
 from trmoe.report.compare import Arm, Pair, arm_keys, group_arms, paired, pick_control, swept_keys
 from trmoe.report.ladder import Options, is_ladder
@@ -590,7 +590,7 @@ def build_report(
     try:
         if make_plots and plots.available():
             rep.plots = plots.write_plots(runs, arms, pairs, control_arm, folder / PLOTS_DIR, accuracy_pairs)
-            rep.plots += plots.plot_scaling(rep.scaling, folder / PLOTS_DIR) if rep.scaling else []
+            rep.plots += scaling_plots.plot_scaling(rep.scaling, folder / PLOTS_DIR) if rep.scaling else []
         rep.markdown = render_markdown(rep, title)
         for name, text in (
             (REPORT_CSV, _runs_csv(rep)),

@@ -2,7 +2,12 @@
 held-out loss vs tokens beside vs wall-clock, throughput, paired differences, expert shares per layer when a
 run recorded telemetry, and one figure of each other column the runs' producers declare with `plot=True`
 (`plot_column`; units from the declarations too, trmoe.report.runs: a new per-step metric is plotted with no
-change here)."""
+change here).
+
+An arm of one seed is one line; an arm of several is its mean over the seeds with a band (their min..max) and
+each seed a faint line of its own dash pattern (the legend names the patterns). A panel nothing was drawn in
+says "no data" rather than showing a bare axis, and a figure with no data anywhere is not written. Each PNG
+records its titles in its `Title` text chunk (what the tests and a reader's tools can read back)."""
 
 from __future__ import annotations
 
@@ -37,11 +42,25 @@ def pyplot():
     return plt
 
 
+def _drawn(ax) -> bool:
+    return bool(ax.lines or ax.images or ax.collections or ax.patches)
+
+
+def titles(fig) -> str:
+    """The figure's titles (its own, then each panel's), as its PNG records them."""
+    suptitle = fig._suptitle.get_text() if fig._suptitle else ""
+    return " | ".join(t for t in [suptitle, *(ax.get_title() for ax in fig.axes)] if t)
+
+
 def save(fig, path: Path, *, dpi: int = 100, tight: bool = True) -> Path:
-    """Write a figure as PNG (tight layout unless the caller placed its parts) and free it."""
+    """Write a figure as PNG (tight layout unless the caller placed its parts) and free it. A panel with
+    nothing drawn says so in its middle: a bare 0..1 axis reads as a plotting bug, not as "no data"."""
+    for ax in fig.axes:
+        if not _drawn(ax) and ax.get_label() != "<colorbar>":
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
     if tight:
         fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={"Title": titles(fig)})
     pyplot().close(fig)
     return path
 
@@ -50,7 +69,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
 
 
-def _colors(arms: list[Arm]) -> dict[str, tuple]:
+def colors_of(arms: list[Arm]) -> dict[str, tuple]:
     plt = pyplot()
     cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
     return {arm.label: cmap(i % cmap.N) for i, arm in enumerate(arms)}
@@ -78,29 +97,83 @@ def plotted(runs: list[Run]) -> list[MetricColumn]:
     return [declaration(runs, c) for c in names if c not in DRAWN and not is_accuracy(c)]
 
 
+SEED_DASHES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))  # one per seed of an arm, cycled
+
+
+def _draw_arm(ax, arm: Arm, color, series: list[tuple[list[float], list[float]]], style: str) -> None:
+    """One arm's runs: a run alone as one line; several as their mean (label: the arm) with a min..max
+    band and each seed faint in its dash pattern. Seeds' points are paired by position (the same logged
+    steps); x is their mean, exact for tokens, the seeds' average for wall-clock."""
+    series = [(x, y) for x, y in series if x]
+    if len(series) == 1:
+        ax.plot(*series[0], style, color=color, label=arm.label, markersize=3, linewidth=1)
+        return
+    if not series:
+        return
+    import numpy as np
+
+    marker = style.rstrip("-")
+    for i, (x, y) in enumerate(series):
+        ax.plot(x, y, color=color, alpha=0.4, linewidth=1, linestyle=SEED_DASHES[i % len(SEED_DASHES)])
+    n = min(len(x) for x, _ in series)
+    xs = np.array([x[:n] for x, _ in series]).mean(axis=0)
+    ys = np.array([y[:n] for _, y in series])
+    ax.fill_between(xs, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.15, linewidth=0)
+    ax.plot(
+        xs,
+        ys.mean(axis=0),
+        marker + "-",
+        color=color,
+        label=f"{arm.label} (mean of {len(series)})",
+        markersize=3,
+        linewidth=1.5,
+    )
+
+
+def _seed_legend(ax, arms: list[Arm]) -> None:
+    """Gray legend entries naming each seed's dash pattern, when some arm has several seeds."""
+    lists = {tuple(r.seed for r in _by_seed(arm)) for arm in arms if len(arm.runs) > 1}
+    if not lists:
+        return
+    same = len(lists) == 1  # every arm has these seeds: name them; else their rank within the arm
+    for i, seed in enumerate(max(lists, key=len)):
+        label = f"seed {seed}" if same else f"seed #{i + 1} of an arm"
+        ax.plot([], [], color="gray", alpha=0.6, linestyle=SEED_DASHES[i % len(SEED_DASHES)], label=label)
+
+
+def _by_seed(arm: Arm) -> list[Run]:
+    """The arm's runs in seed order (a run without a seed last): seed i draws in SEED_DASHES[i]."""
+    return sorted(arm.runs, key=lambda r: (r.seed is None, r.seed or 0))
+
+
 def _per_arm(ax, arms: list[Arm], column: str, style: str) -> None:
-    """Every run's column against tokens, one colour per arm (seeds of an arm share it and its label)."""
-    colors = _colors(arms)
+    """Every arm's column against tokens, one colour per arm (seeds: mean, band, faint lines)."""
+    colors = colors_of(arms)
     for arm in arms:
-        for i, run in enumerate(arm.runs):
-            x, y = _xy(run, column)
-            if x:
-                label = arm.label if i == 0 else None
-                ax.plot(x, y, style, color=colors[arm.label], label=label, markersize=3, linewidth=1)
+        _draw_arm(ax, arm, colors[arm.label], [_xy(run, column) for run in _by_seed(arm)], style)
+    if _drawn(ax):
+        _seed_legend(ax, arms)
 
 
-def plot_run(run: Run, path: Path) -> None:
+def run_title(run: Run, arm: Arm | None) -> str:
+    """A run plot's title: its arm and seed (the job number alone names no configuration), then its path."""
+    seed = f"seed {run.seed}" if run.seed is not None else "seed unknown"
+    return f"{arm.label if arm else run.name}, {seed}\n(run {run.name})"
+
+
+def plot_run(run: Run, path: Path, arm: Arm | None = None) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for column, style in (("train_loss", "-"), ("eval_loss", "o-")):
+    for column, style in (("train_loss", ".-"), ("eval_loss", "o-")):
         x, y = _xy(run, column)
         if x:
             ax.plot(x, y, style, label=column.replace("_", " "), markersize=3)
     ax.set_xlabel("tokens")
     ax.set_ylabel(f"cross-entropy ({run.declaration('eval_loss').unit})")
-    ax.set_title(run.name, fontsize=9)
+    ax.set_title(run_title(run, arm), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if _drawn(ax):
+        ax.legend()
     save(fig, path)
 
 
@@ -109,7 +182,7 @@ def plot_overlay(arms: list[Arm], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, column, title in ((axes[0], "train_loss", "train loss"), (axes[1], "eval_loss", "held-out loss")):
-        _per_arm(ax, arms, column, "-" if column == "train_loss" else "o-")
+        _per_arm(ax, arms, column, ".-" if column == "train_loss" else "o-")  # markers: few points
         ax.set_title(title)
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
@@ -126,15 +199,16 @@ def plot_overlay(arms: list[Arm], path: Path) -> None:
 def plot_wallclock(arms: list[Arm], path: Path) -> None:
     """Held-out loss against tokens and, beside it, against training wall-clock (elapsed_s: evaluation
     excluded): an arm that wins per token can lose per second."""
-    plt, colors = pyplot(), _colors(arms)
+    plt, colors = pyplot(), colors_of(arms)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     _per_arm(axes[0], arms, "eval_loss", "o-")
     for arm in arms:
-        for run in arm.runs:
+        series = []
+        for run in _by_seed(arm):
             xy = [(r.get("elapsed_s", math.nan), r.get("eval_loss", math.nan)) for r in run.rows]
             xy = [p for p in xy if math.isfinite(p[0] + p[1])]
-            if xy:
-                axes[1].plot(*zip(*xy, strict=True), "o-", color=colors[arm.label], markersize=3)
+            series.append(([x for x, _ in xy], [y for _, y in xy]))
+        _draw_arm(axes[1], arm, colors[arm.label], series, "o-")
     for ax, x in ((axes[0], "tokens"), (axes[1], "training wall-clock (s, evaluation excluded)")):
         ax.set(xlabel=x, title=f"held-out loss vs {x.split(' (')[0]}")
         ax.grid(alpha=0.3)
@@ -144,17 +218,19 @@ def plot_wallclock(arms: list[Arm], path: Path) -> None:
     save(fig, path)
 
 
-def plot_throughput(arms: list[Arm], path: Path) -> None:
+def plot_throughput(arms: list[Arm], path: Path) -> bool:
+    """tok/s per logging window against step; not written (False) when no run has a window after warm-up
+    (every short sweep): an empty axis would say nothing."""
+    if not any(throughput_rows(run) for run in _runs(arms)):
+        return False
     plt = pyplot()
-    colors = _colors(arms)
+    colors = colors_of(arms)
     fig, ax = plt.subplots(figsize=(8, 4))
     for arm in arms:
-        for i, run in enumerate(arm.runs):
-            rows = throughput_rows(run)
-            if rows:
-                steps, values = [s for s, _, _ in rows], [v for _, _, v in rows]
-                label = arm.label if i == 0 else None
-                ax.plot(steps, values, ".-", color=colors[arm.label], label=label, linewidth=1)
+        series = [throughput_rows(run) for run in _by_seed(arm)]
+        series = [([s for s, _, _ in rows], [v for _, _, v in rows]) for rows in series]
+        _draw_arm(ax, arm, colors[arm.label], series, ".-")
+    _seed_legend(ax, arms)
     ax.set_xlabel("step")
     ax.set_ylabel(f"{declaration(_runs(arms), 'tok_s').unit} (logging window)")
     ax.set_title("throughput (warm-up and evaluation rows left out)")
@@ -162,6 +238,7 @@ def plot_throughput(arms: list[Arm], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     save(fig, path)
+    return True
 
 
 def plot_accuracy(arms: list[Arm], columns: list[str], path: Path) -> None:
@@ -210,7 +287,9 @@ def plot_pairs(
     ax.axvline(0.0, color="gray", linewidth=1)
     ax.set_yticks(range(len(shown)), [p.arm.label for p in shown], fontsize=7)
     ax.invert_yaxis()  # first arm on top, as in the table
-    ax.set_xlabel(f"{what} (mean over seeds, 95% t interval)")
+    # One seed per arm draws no interval, so the axis must not promise one.
+    drawn = any(p.interval for p in shown)
+    ax.set_xlabel(f"{what} ({'mean over seeds, 95% t interval' if drawn else 'one seed: no interval'})")
     ax.set_title(f"control: {control.label}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     save(fig, path)
@@ -286,8 +365,8 @@ def write_plots(
     plot_wallclock(arms, wallclock)
     written.append(wallclock)
     throughput = folder / "tok_s.png"
-    plot_throughput(arms, throughput)
-    written.append(throughput)
+    if plot_throughput(arms, throughput):
+        written.append(throughput)
     if control is not None and any(p.mean is not None for p in pairs):
         deltas = folder / "paired_deltas.png"
         plot_pairs(pairs, control, deltas)
@@ -306,93 +385,13 @@ def write_plots(
         path = folder / f"metric_{_safe(column.name)}.png"
         plot_column(arms, column, path)
         written.append(path)
+    arm_of = {run.name: arm for arm in arms for run in arm.runs}
     for run in runs:
         if run.series("train_loss") or run.series("eval_loss"):
             path = folder / f"run_{_safe(run.name)}.png"
-            plot_run(run, path)
+            plot_run(run, path, arm_of.get(run.name))
             written.append(path)
         shares = folder / f"shares_{_safe(run.name)}.png"
         if plot_shares(run, shares):
             written.append(shares)
-    return written
-
-
-def plot_scaling(scaling, folder: Path) -> list[Path]:
-    """The Scaling section's plots (trmoe.report.scaling): loss vs compute per arm (fit points, each rung's
-    fitted L(N, C/(κN)) over its runs, the frontier L*(C) with its 95% band out to the targets); the
-    compute multiplier against the control with its band; the backtest (predicted with its interval vs
-    measured)."""
-    import numpy as np
-
-    from trmoe.report.scaling import frontier_band, multiplier_band
-
-    if not scaling.arms:  # every ladder run was left out (the section lists why)
-        return []
-    plt = pyplot()
-    fitted = [a for a in scaling.arms if a.identified]
-    colors = _colors(scaling.arms)
-    top = max([c for _, c in scaling.at] + [p.C for a in scaling.arms for p in a.points])
-    low = min(p.C for a in scaling.arms for p in a.points)
-    grid = np.geomspace(low, top, 60)
-    written = []
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for arm in scaling.arms:
-        color = colors[arm.name]
-        ax.plot([p.C for p in arm.points], [p.L for p in arm.points], "o", color=color, label=arm.name, ms=4)
-        if not arm.identified:
-            continue
-        for n in sorted({p.N for p in arm.points}):
-            mine = [p for p in arm.points if p.N == n]
-            cs = np.geomspace(min(p.C for p in mine), max(p.C for p in mine), 10)
-            kappa = float(np.exp(np.mean([np.log(p.kappa) for p in mine])))
-            ax.plot(cs, arm.fit.law.loss(n, cs / (kappa * n)), ":", color=color, linewidth=0.8)
-        band = frontier_band(scaling, arm, grid)
-        ax.plot(grid, band[0], "-", color=color, linewidth=1.2)
-        ax.fill_between(grid, band[1], band[2], color=color, alpha=0.2, linewidth=0)
-    for name, c in scaling.at[-len(scaling.targets) :] if scaling.targets else []:
-        ax.axvline(c, color="gray", linewidth=0.8, linestyle="--")
-        ax.annotate(name, (c, 1), xycoords=("data", "axes fraction"), fontsize=7, va="top")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("final held-out loss (nats/token)")
-    ax.set_title("loss vs compute: runs, fitted rungs (dotted), frontier L*(C) with 95% band", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    written.append(save(fig, folder / "scaling_loss_vs_compute.png"))
-
-    compared = [a for a in fitted if a.comparison is not None and not a.comparison.reason]
-    if compared:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for arm in compared:
-            band = multiplier_band(scaling, arm, grid)
-            color = colors[arm.name]
-            ax.plot(grid, band[0], "-", color=color, label=arm.name)
-            ax.fill_between(grid, band[1], np.minimum(band[2], 1e6), color=color, alpha=0.2, linewidth=0)
-            c = arm.comparison
-            ax.plot(c.C, c.k, "o", color=color, ms=4)
-        ax.axhline(1.0, color="gray", linewidth=1)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("training compute C (FLOPs)")
-        ax.set_ylabel(f"compute multiplier k vs {scaling.control.name}")
-        ax.set_title("k > 1: the control needs k x the compute for the arm's loss (95% band)", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-        written.append(save(fig, folder / "scaling_multiplier.png"))
-
-    tested = [a for a in scaling.arms if a.backtest is not None and not a.backtest.reason]
-    if tested:
-        fig, ax = plt.subplots(figsize=(6, 1.5 + 0.5 * len(tested)))
-        for i, arm in enumerate(tested):
-            b = arm.backtest
-            ax.plot([b.low, b.high], [i, i], "-", color="tab:blue", linewidth=2)
-            ax.plot([b.predicted], [i], "o", color="tab:blue", label="predicted" if i == 0 else None)
-            ax.plot([b.measured], [i], "x", color="tab:red", ms=8, label="measured" if i == 0 else None)
-        ax.set_yticks(range(len(tested)), [a.name for a in tested], fontsize=7)
-        ax.set_xlabel("loss of the largest rung, fitted without it (95% prediction interval)")
-        ax.grid(alpha=0.3, axis="x")
-        ax.legend(fontsize=7)
-        written.append(save(fig, folder / "scaling_backtest.png"))
     return written

@@ -11,7 +11,9 @@
       checkpoints/            step_XXXXXXXX/ and `latest` (checkpoint.CheckpointStore)
       .lock                   held by the live launch (lock.py): who holds the run
       trackers.json           the tracker runs this run continues on resume (trackers.py)
-      tensorboard/, wandb/    the trackers' own files (logger=tensorboard, logger=wandb)
+      events.out.tfevents.*   TensorBoard's event files (logger=tensorboard): in the run directory itself,
+                              so that `tensorboard --logdir runs` names the run by its folder
+      tensorboard/, wandb/    the trackers' own folders (tensorboard/: where older trmoe put the events)
       profile/                torch.profiler traces (debug=profile)
       eval/<step>.json        python -m trmoe.eval's results for a checkpoint
 
@@ -40,6 +42,7 @@ RANK_LOGS = "logs"
 LOCK = ".lock"
 TRACKERS = "trackers.json"
 TRACKER_DIRS = ("tensorboard", "wandb")
+TENSORBOARD_EVENTS = "events.out.tfevents.*"  # a glob: SummaryWriter names its files by time and host
 PROFILE = "profile"
 EVAL = "eval"
 
@@ -132,12 +135,18 @@ class RunDir:
         """The run files this directory holds (checkpoints/ aside, which the caller inspects): non-empty
         means it holds a run, complete or not (a launch killed before run_config.json leaves .hydra/ and
         train.log). Links count (lexists): a dangling one is still there."""
-        return [n for n in (*RUN_FILES, *RUN_DIRS) if n != CHECKPOINTS and os.path.lexists(self.path / n)]
+        named = [n for n in (*RUN_FILES, *RUN_DIRS) if n != CHECKPOINTS and os.path.lexists(self.path / n)]
+        return named + [p.name for p in self.tensorboard_events()]
+
+    def tensorboard_events(self) -> list[Path]:
+        """TensorBoard's event files in the run directory (logger=tensorboard)."""
+        return sorted(self.path.glob(TENSORBOARD_EVENTS))
 
     def removable(self) -> tuple[list[Path], list[Path]]:
         """(files, directories) that make up a run: what run.overwrite=true removes (every name of this
         layout but .lock, held by the launch that removes them)."""
-        return [self.path / n for n in (*RUN_FILES, STATUS)], [self.path / n for n in RUN_DIRS]
+        files = [self.path / n for n in (*RUN_FILES, STATUS)] + self.tensorboard_events()
+        return files, [self.path / n for n in RUN_DIRS]
 
     def linked(self) -> list[str]:
         """The bookkeeping files (BOOKKEEPING) that are symbolic links, relative to the run directory."""

@@ -13,7 +13,16 @@ also as a histogram, moe/layer_<i>/shares.
 
 MLflow's default store is its recommended local database, sqlite:///<runs>/mlflow.db beside the run
 directories (`mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, or MlflowClient, open it with no
-setting); a file store already there (<runs>/mlruns, from older trmoe) is read on as it was.
+setting); a file store already there (<runs>/mlruns, from older trmoe) is read on as it was. An experiment
+trmoe creates in a local database keeps its artifacts beside it, <runs>/mlartifacts (MLflow's own default
+is ./mlruns under whatever folder the run was launched from). When the run ends (finished, failed or
+stopped) its run_config.json, metrics.csv, resolved config (config.yaml) and Hydra's own records (hydra/)
+are logged as the run's artifacts.
+
+TensorBoard's event files go straight into the run directory (`logger.tensorboard.dir=.`), so that
+`tensorboard --logdir runs` lists each run by its name. Neither trackers.json nor TensorBoard's text
+summary holds an absolute local path: a local store is recorded relative to the run directory, and the
+run's directory is its TensorBoard run name.
 
 A resumed run continues the same tracker run: MLflow's run id and W&B's id are kept in
 <run dir>/trackers.json, and no step is logged twice — TensorBoard purges what the killed attempt logged after
@@ -138,7 +147,9 @@ class _TensorBoard:
             exp, ssi, sei = hparams(flatten(config), {eval_loss: math.nan})
             for summary in (exp, ssi, sei):
                 self.writer.file_writer.add_summary(summary)
-            self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in identity.items()))
+            # the run's directory is TensorBoard's run name already: no local path in what may be shared
+            shown = {k: v for k, v in identity.items() if k != "run_dir"}
+            self.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in shown.items()))
         self.state: dict = {}
 
     def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
@@ -163,12 +174,14 @@ class _MLflow:
         """`every_row`: the scalar of a column every row has (its history gives the last step logged)."""
         from mlflow.tracking import MlflowClient
 
-        uri = cfg.tracking_uri or (previous or {}).get("tracking_uri") or default_store(run_dir)
+        recorded = local_uri((previous or {}).get("tracking_uri"), run_dir)
+        uri = local_uri(cfg.tracking_uri, Path.cwd()) or recorded or default_store(run_dir)
         if uri.startswith("file:"):  # a file store from older trmoe: MLflow 3 opens it only when asked to
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         self.last_step = -1
-        if previous and previous.get("tracking_uri") == uri:
+        self.run_dir, self.config = run_dir, config
+        if previous and recorded == uri:
             self.run_id = previous["run_id"]
             history = self.client.get_metric_history(self.run_id, every_row)
             self.last_step = max((m.step for m in history), default=-1)
@@ -178,7 +191,7 @@ class _MLflow:
             exp_id = (
                 experiment.experiment_id
                 if experiment is not None
-                else self.client.create_experiment(cfg.experiment)
+                else self.client.create_experiment(cfg.experiment, artifact_location=artifact_location(uri))
             )
             run = self.client.create_run(exp_id, run_name=identity["run_name"], tags=_tags(identity))
             self.run_id = run.info.run_id
@@ -187,7 +200,7 @@ class _MLflow:
             params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
             for i in range(0, len(params), 100):  # MLflow's batch limit
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
-        self.state = {"tracking_uri": uri, "run_id": self.run_id}
+        self.state = {"tracking_uri": portable_uri(uri, run_dir), "run_id": self.run_id}
 
     def log(self, values: dict[str, float], step: int, layers: list[dict[str, Any]]) -> None:
         if step <= self.last_step:  # the killed attempt logged it already (append-only history)
@@ -203,6 +216,20 @@ class _MLflow:
         self.last_step = step
 
     def close(self, status: str = "FINISHED") -> None:
+        """The run's records as its artifacts (what an MLflow user looks for beside the params), then
+        its end. A resumed run logs them again at its end: the same names, the newer files."""
+        from trmoe.run.rundir import RunDir
+
+        files = RunDir(self.run_dir)
+        for path in (files.run_config, files.metrics):
+            if path.is_file():
+                self.client.log_artifact(self.run_id, str(path))
+        plain = json.loads(
+            json_text(self.config, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+        )
+        self.client.log_dict(self.run_id, plain, "config.yaml")
+        if files.hydra.is_dir():
+            self.client.log_artifacts(self.run_id, str(files.hydra), "hydra")
         self.client.set_terminated(self.run_id, status=status)
 
 
@@ -253,6 +280,45 @@ def _holds_records(name: str, cfg: LoggerConfig, run_dir: Path, previous: dict) 
     if name == "tensorboard":
         return any((run_dir / cfg.tensorboard.dir).glob("events.out.tfevents.*"))
     return bool(previous.get(name))
+
+
+def _sqlite_path(uri: str) -> str | None:
+    return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
+
+
+def local_uri(uri: str | None, base: Path) -> str | None:
+    """A store URI with its local path made absolute against `base` (the launch folder for a configured
+    URI, as MLflow reads it; the run directory for one trackers.json recorded); others unchanged."""
+    if not uri:
+        return uri
+    path = _sqlite_path(uri)
+    if path is not None and path and not Path(path).is_absolute():
+        return f"sqlite:///{(base / path).resolve()}"
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return (base / uri[len("file:") :]).resolve().as_uri()
+    return uri
+
+
+def portable_uri(uri: str, run_dir: Path) -> str:
+    """A local store's URI relative to the run directory (trackers.json holds no absolute local path:
+    the runs folder can move or be shared); a server's URI as it is."""
+    path = _sqlite_path(uri)
+    if path is not None and Path(path).is_absolute():
+        return f"sqlite:///{os.path.relpath(path, run_dir.resolve())}"
+    if uri.startswith("file:/"):
+        from urllib.parse import unquote, urlparse
+
+        return f"file:{os.path.relpath(unquote(urlparse(uri).path), run_dir.resolve())}"
+    return uri
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a local database (<its folder>/mlartifacts),
+    not MLflow's default ./mlruns under the launch folder; a file store or server's own default otherwise."""
+    path = _sqlite_path(uri)
+    if path is None or not Path(path).is_absolute():
+        return None
+    return (Path(path).parent / "mlartifacts").as_uri()
 
 
 def _tags(identity: dict) -> dict[str, str]:

@@ -71,8 +71,21 @@ SECTIONS = [
         "run's identity; rank 0 only; a resumed run continues the same tracker run. "
         "The trackers need the `trackers` extra (`pip install 'trmoe[trackers]'`).",
     ),
-    ("logger.tensorboard", schema.TensorBoardLogger, "`logger=tensorboard`: TensorBoard event files."),
-    ("logger.mlflow", schema.MLflowLogger, "`logger=mlflow`: MLflow (a local file store by default)."),
+    (
+        "logger.tensorboard",
+        schema.TensorBoardLogger,
+        "`logger=tensorboard`: TensorBoard event files, in the run directory itself: `tensorboard --logdir "
+        "runs` lists each run by its name.",
+    ),
+    (
+        "logger.mlflow",
+        schema.MLflowLogger,
+        "`logger=mlflow`: MLflow, by default in a local database beside the runs (`runs/mlflow.db`), a new "
+        "experiment's artifacts beside it (`runs/mlartifacts`): each run's run_config.json, metrics.csv, "
+        "resolved config (config.yaml) and Hydra records (hydra/), logged when the run ends. The `trackers` "
+        "extra installs `mlflow-skinny`, MLflow's client, which cannot serve the UI: to browse, `pip install "
+        "mlflow` (the full package) and `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`.",
+    ),
     ("logger.wandb", schema.WandbLogger, "`logger=wandb`: Weights & Biases (offline by default)."),
     (
         "debug",

@@ -101,7 +101,8 @@ class Downstream:
         if self.tasks:
             from trmoe.eval.lm import TRMoELM
 
-            self._lm = TRMoELM(model=model, batch_size=self.batch_size)
+            # no bar: training's log lines are the progress there, a bar would break them apart
+            self._lm = TRMoELM(model=model, batch_size=self.batch_size, progress=False)
             model.train()  # TRMoELM puts it in eval mode; columns() does, and restores, that itself
             self._model, self._device, self._amp_dtype = model, device, amp_dtype
 
