@@ -138,7 +138,6 @@ def test_an_unreadable_declaration_record_is_a_note(tmp_path):
     assert run.declaration("tok_s").unit == "tokens/s"  # as the code before the declarations wrote it
 
 
-<<<<<<< HEAD
 def _record(run_dir: Path, **fields) -> None:
     """Merge `fields` into the run's run_config.json (one level deep: dicts merged)."""
     path = run_dir / "run_config.json"
@@ -215,7 +214,8 @@ def test_a_resume_without_metrics_csv_is_a_warning_and_a_changed_held_out_set_no
     checklist = _checklist(_report_md(runs, tmp_path))
     row = next(line for line in checklist.splitlines() if line.startswith("| Evaluation checkpoints"))
     assert "**DIFFERS**" in row and "held-out set changed on resume at step 2 (8 -> 4 windows)" in row
-=======
+
+
 BLUE = (0.122, 0.467, 0.706)  # tab10's first colour: the first arm's, and a run plot's first line
 
 
@@ -322,4 +322,3 @@ def test_the_deltas_axis_promises_an_interval_only_when_drawn(tmp_path, monkeypa
     monkeypatch.setattr(plots, "save", keep_labels)
     build_report([_sweep(tmp_path / "sweep", seeds, throughput=True)], tmp_path / "report")
     assert labels and all(("95% t interval" in label) == (seeds == 2) for label in labels), labels
->>>>>>> i46b

@@ -244,7 +244,6 @@ def test_mlflow_store_is_the_local_database_unless_a_file_store_is_there(tmp_pat
     assert trackers.tracker_name("acc_norm/piqa", SECTIONS) == "downstream/acc_norm/piqa"
 
 
-<<<<<<< HEAD
 def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
     """logger=tensorboard chosen only when the run is resumed (small_run: 4 steps, extended to 6): it gets
     metrics.csv's rows of steps 1-4 first (old code: steps 5-6 only, with no notice)."""
@@ -263,7 +262,8 @@ def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
     assert [s for s, _ in tb["train/loss"]] == list(range(1, 7))
     for tag, points in tb.items():
         assert dict(points) == pytest.approx(expected[tag], rel=1e-6, abs=1e-12), tag
-=======
+
+
 _READ_STORE = """
 import json, sys, tempfile
 from pathlib import Path
@@ -337,4 +337,3 @@ def test_mlflow_artifacts_beside_the_store_and_no_local_path_recorded(tmp_path, 
     events = RunDir(run_dir).tensorboard_events()  # the run's own files: run.overwrite=true removes them
     assert events and set(events) <= set(RunDir(run_dir).removable()[0])
     assert {e.name for e in events} <= set(RunDir(run_dir).held())
->>>>>>> i46b

@@ -33,6 +33,11 @@ rows up to the resumed step first, so it holds the whole run; telemetry's per-la
 are not replayed, and the log says so.
 
 The trackers are optional extras (`pip install trmoe[trackers]`), imported only when chosen.
+
+Over 400 lines on purpose: the three backends share one contract (one run per run directory across
+resumes, no step logged twice, no absolute local path recorded, artifacts at the end), and its bookkeeping
+(trackers.json, the stores' URIs, the backfill of a tracker added at a resume) is read beside each backend's
+adapter; split by backend, that contract would be restated three times.
 """
 
 from __future__ import annotations
