@@ -258,7 +258,7 @@ def test_a_tracker_added_at_a_resume_holds_the_whole_run(small_run, tmp_path):
     train_in_process(run_dir, *RESUME_SMALL, *extended, "logger=tensorboard")
     assert "tensorboard added at this resume: " in (run_dir / "train.log").read_text()
     expected = {trackers.tracker_name(k, SECTIONS): v for k, v in _csv_series(run_dir).items()}
-    tb = _tensorboard_series(run_dir / "tensorboard")
+    tb = _tensorboard_series(run_dir)
     assert [s for s, _ in tb["train/loss"]] == list(range(1, 7))
     for tag, points in tb.items():
         assert dict(points) == pytest.approx(expected[tag], rel=1e-6, abs=1e-12), tag

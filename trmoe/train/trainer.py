@@ -60,7 +60,7 @@ from trmoe.train.observe.downstream import Downstream
 from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss
 from trmoe.train.observe.metrics import MetricsWindow, TrainingColumns, ppl
 from trmoe.train.observe.output import RunOutput, log_cadence
-from trmoe.train.observe.profiling import StepProfiler
+from trmoe.run.profiling import StepProfiler
 from trmoe.train.observe.telemetry import TelemetryObserver
 from trmoe.train.prepare import compiled, prepare_model
 from trmoe.train.run_record import RunFacts
