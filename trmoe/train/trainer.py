@@ -50,6 +50,7 @@ from trmoe.optim.schedule import build_schedules
 from trmoe.run import columns, signals
 from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
+from trmoe.run.profiling import StepProfiler
 from trmoe.run.rundir import TELEMETRY, RunDir
 from trmoe.runtime import env, parallel
 from trmoe.runtime.distributed import DistEnv, no_sync
@@ -60,7 +61,6 @@ from trmoe.train.observe.downstream import Downstream
 from trmoe.train.observe.evaluation import Evaluator, HeldOutLoss
 from trmoe.train.observe.metrics import MetricsWindow, TrainingColumns, ppl
 from trmoe.train.observe.output import RunOutput, log_cadence
-from trmoe.run.profiling import StepProfiler
 from trmoe.train.observe.telemetry import TelemetryObserver
 from trmoe.train.prepare import compiled, prepare_model
 from trmoe.train.run_record import RunFacts
