@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -214,15 +215,18 @@ def test_a_tiny_ladder_records_every_run_its_rung_arm_role_budget_and_parent(tin
     assert {x["arm"] for x in ladders} == {"hash_vs_learned/dense", "hash_vs_learned/modulo_cyclic"}
     for record in records:
         x, run = record["ladder"], Path(record["run_dir"])
+        assert x["sweep"] == str(tiny_ladder) and x["budgets"] == [640, 1280, 1920]  # what the report owns
         if x["role"] == "stable":
+            assert run.name == str(x["job"])
             assert (
                 x["budget_tokens"] is None and x["parent_run"] is None and record["total_tokens"] == 24 * 64
             )
             continue
         assert x["budget_tokens"] == record["total_tokens"] and x["budget_tokens"] in (640, 1280, 1920)
         assert x["parent_step"] == round(0.8 * x["budget_tokens"] / 64)
-        assert run.name == f"{Path(x['parent_run']).name}-d{x['budget_tokens']}"
-        parent = json.loads((Path(x["parent_run"]) / "run_config.json").read_text())["ladder"]
+        # the parent relative to the sweep, the run at its planned place <job>-d<tokens>
+        assert run.name == f"{x['parent_run']}-d{x['budget_tokens']}" == f"{x['job']}-d{x['budget_tokens']}"
+        parent = json.loads((tiny_ladder / x["parent_run"] / "run_config.json").read_text())["ladder"]
         assert {k: parent[k] for k in ("rung", "arm", "seed")} == {k: x[k] for k in ("rung", "arm", "seed")}
         rows = metrics_rows(run)
         assert int(rows[0]["step"]) == x["parent_step"]  # the branch point is scored first
@@ -274,3 +278,93 @@ def test_a_tiny_ladders_report_has_the_scaling_section_recomputed_from_its_runs(
     assert backtests and all(
         r["estimate"] != "" or r["note"].startswith(("not fitted", "no figure")) for r in backtests
     )
+
+
+# --- a ladder owns its runs: copies, strays, gaps and a moved sweep, made from the tiny ladder's runs ------
+
+
+def _edit_ladder(run: Path, **values) -> None:
+    path = run / "run_config.json"
+    record = json.loads(path.read_text())
+    record["ladder"].update(values)
+    path.write_text(json.dumps(record))
+
+
+def _stable_of(grid: Path, rung: int, arm: str) -> str:
+    return next(
+        p.parent.name
+        for p in grid.glob("*/run_config.json")
+        if (x := json.loads(p.read_text())["ladder"])["role"] == "stable"
+        and (x["rung"], x["arm"]) == (rung, arm)
+    )
+
+
+DENSE = "hash_vs_learned/dense"
+
+
+def _fabricate(grid: Path, case: str) -> tuple[str, str]:
+    """Damage a copy of the tiny ladder's sweep as `case` says; returns the run (or planned run) the report
+    must name and the words it names it with."""
+    job = _stable_of(grid, 1, DENSE)
+    if case == "duplicate":  # a backup copy of a branch inside the sweep directory
+        shutil.copytree(grid / f"{job}-d640", grid / f"{job}-d640.bak")
+        return f"{job}-d640.bak", f"duplicate of {job}-d640"
+    if case == "another ladder":  # a branch at a free place whose record names another ladder
+        shutil.copytree(grid / f"{job}-d1280", grid / "99-d1280")
+        _edit_ladder(grid / "99-d1280", name="other", job=99, parent_run="99")
+        return "99-d1280", "from another ladder: other, not this sweep's tiny"
+    if case == "another sweep":  # a branch of the same ladder that ran in another sweep directory
+        shutil.copytree(grid / f"{job}-d1920", grid / "elsewhere-d1920")
+        _edit_ladder(grid / "elsewhere-d1920", sweep="/somewhere/else/grid")
+        return "elsewhere-d1920", "from another sweep: run in /somewhere/else/grid"
+    if case == "another sweep, stamped":  # as above, where multirun.yaml keeps an unresolved sweep.dir
+        yaml = grid / "multirun.yaml"
+        text, given = yaml.read_text(), "  sweep:\n    dir: grid\n"
+        assert given in text
+        yaml.write_text(text.replace(given, "  sweep:\n    dir: grid-${trmoe.stamp:%Y}\n"))
+        return _fabricate(grid, "another sweep")
+    if case == "missing":  # a deleted branch
+        seed = json.loads((grid / job / "run_config.json").read_text())["ladder"]["seed"]
+        shutil.rmtree(grid / f"{job}-d1920")
+        return f"rung 1, arm {DENSE}, seed {seed}: branch of 1920 tokens at {job}-d1920", ""
+    return "", ""  # moved: the copy itself is the move
+
+
+CASES = ["duplicate", "another ladder", "another sweep", "another sweep, stamped", "missing", "moved"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_ladders_report_fits_only_the_runs_its_sweep_planned_and_names_the_rest(
+    tiny_ladder, tmp_path, case
+):
+    """Every case on a moved copy of the real tiny sweep (another directory, another working directory):
+    the runs the sweep planned at their planned places are the fit points, the others are named with the
+    reason and not fitted, a planned run that is gone is named missing."""
+    grid = tmp_path / "grid"
+    shutil.copytree(tiny_ladder, grid)
+    for old in (REPORT_MD, REPORT_CSV, SCALING_CSV):
+        (grid / old).unlink()
+    run, why = _fabricate(grid, case)
+    result = cli(
+        [str(grid), "--scaling-samples", "10", "--no-plots", "--quiet"], tmp_path, module="trmoe.report"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    section = (grid / REPORT_MD).read_text().split("## Scaling", 1)[1]
+    rows = {r["path"]: r for r in _csv(grid / REPORT_CSV) if r.get("ladder.arm")}
+    fitted = [r for r in rows.values() if r["scaling.fit_point"] == "yes"]
+    left = [r for r in _csv(grid / SCALING_CSV) if r["section"] in ("excluded", "missing")]
+    # only the stable runs are left out for being stable: nothing of the sweep is foreign after the move
+    assert not [
+        r for r in left if r["section"] == "excluded" and "stable run" not in r["note"] and run not in r["at"]
+    ]
+    if case == "missing":
+        assert len(fitted) == 4 * 2 * 3 - 1 and f"- {run}" in section, section
+        assert [r["at"] for r in left if r["section"] == "missing"] == [run]
+        return
+    assert not [r for r in left if r["section"] == "missing"]
+    assert len(fitted) == 4 * 2 * 3  # 4 rungs x 2 arms x 3 budgets: the planned branches, every one
+    if case == "moved":
+        return
+    copy = next(r for p, r in rows.items() if p.endswith(run))
+    assert copy["scaling.fit_point"].startswith(why), copy
+    assert f"- {run}: {why}" in section

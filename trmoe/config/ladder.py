@@ -22,7 +22,9 @@ up to every p_b is the branch's own (warmup pinned by optimizer.warmup_steps).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, open_dict, read_write
@@ -166,13 +168,32 @@ def plan(cfg: Config, tokens_per_step: int, rung: int | None = None) -> LadderPl
     return LadderPlan(rung, rung_label(cfg, rung), tokens_per_step, n, tuple(budgets))
 
 
+def hydra_sweep() -> tuple[str, int] | None:
+    """The job's sweep directory (runtime.cwd joined with sweep.dir, as multirun.yaml has them) and its
+    number; None outside a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    h = HydraConfig.get()
+    return os.path.normpath(os.path.join(h.runtime.cwd, h.sweep.dir)), int(h.job.num)
+
+
 def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | None) -> dict | None:
     """run_config.json's `ladder` (the contract with the report's Scaling section, docs/scaling.md); None
-    outside a ladder. A branch is a run with a parent (trainer.init_from); its budget is what it trains."""
+    outside a ladder. A branch is a run with a parent (trainer.init_from); its budget is what it trains.
+    The sweep directory and job number (hydra_sweep) with the job's planned budgets let the report tell the
+    runs this ladder planned from copies, strays and gaps (trmoe.report.ladder.own); the parent is recorded
+    relative to the sweep so that a moved sweep still names it."""
     lad = cfg.ladder
     if lad.name is None:
         return None
     branch = parent is not None
+    sweep_dir, job = hydra_sweep() or (None, None)
+    parent_run = parent["run"] if branch else None
+    if parent_run is not None and sweep_dir is not None:
+        parent_run = os.path.relpath(Path(parent_run).resolve(), Path(sweep_dir).resolve())
     return {
         "name": lad.name,
         "rung": lad.rung,
@@ -181,6 +202,9 @@ def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | No
         "seed": cfg.trainer.seed,
         "role": "branch" if branch else "stable",
         "budget_tokens": cfg.trainer.steps * tokens_per_step if branch else None,
-        "parent_run": parent["run"] if branch else None,
+        "budgets": [b.tokens for b in plan(cfg, tokens_per_step).budgets],  # the job's planned budgets
+        "parent_run": parent_run,
         "parent_step": parent["step"] if branch else None,
+        "sweep": sweep_dir,
+        "job": job,
     }

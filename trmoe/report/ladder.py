@@ -3,7 +3,8 @@
 A ladder run carries in run_config.json a top-level "ladder" object (written by the ladder experiment):
 
     {"name", "rung" (0 = smallest), "rung_label", "arm", "seed", "role": "stable" | "branch",
-     "budget_tokens" (null for a stable run), "parent_run", "parent_step"}
+     "budget_tokens" (null for a stable run), "budgets" (the job's planned budgets), "parent_run" (relative
+     to the sweep), "parent_step", "sweep" (where the sweep ran), "job" (its Hydra job number)}
 
 `read_point` is the one place that reads it, with the run's other records:
 
@@ -12,6 +13,13 @@ A ladder run carries in run_config.json a top-level "ladder" object (written by 
     C = flops_per_token · D      (trmoe.model.flops via trmoe.report.summary: matrices, attention, tied head)
     L = the held-out loss of that row (trmoe.report.integrity); a run without that row, whose records
         disagree, that diverged or did not finish is no fit point (`Point.excluded` says why)
+
+Ownership (`own`): in a sweep (a directory with multirun.yaml) a run is the ladder's own only when it names
+the sweep's ladder and the directory the sweep ran in, its (rung, arm, seed) is in the sweep's grid and its
+budget in its job's plan, and it sits at its planned place relative to the sweep: `<job>` for the stable run,
+`<job>-d<budget tokens>` for a branch. Every other ladder run (a backup copy, a run copied in from another
+ladder or sweep) is left out with the reason, and every planned run without its own run is named missing.
+Places and the recorded sweep directory are relative or fixed at launch, so a moved sweep still reports.
 
 Fit points (`select`): the branch runs (each budget's decay); a stable run only for an (arm, rung, seed)
 that has no branch (a ladder of plain runs): a stable run that was branched never decayed, so its loss is
@@ -22,7 +30,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -111,6 +122,9 @@ class Point:
     L: float | None
     data: str  # the run's data choice (config "data", canonical JSON): arms on other data are not compared
     excluded: str = ""  # why it is no fit point ("" when it is one)
+    record: dict = field(default_factory=dict)  # run_config.json's `ladder`
+    sweep: Path | None = None  # the sweep directory the run is in now (None outside a sweep)
+    where: str = ""  # the run's directory relative to `sweep`
 
     @property
     def kappa(self) -> float:
@@ -158,7 +172,141 @@ def read_point(run: Run, summary: Summary, n_kind: str = DEFAULT_N) -> Point:
         L=L,
         data=json.dumps(run.config.get("data"), sort_keys=True),
         excluded=why,
+        record=lad,
+        sweep=run.sweep.path if (run.sweep.path / MULTIRUN).is_file() else None,
+        where=Path(os.path.relpath(run.path, run.sweep.path)).as_posix(),
     )
+
+
+MULTIRUN = "multirun.yaml"
+GRID_KEYS = ("ladder.rung", "arm", "trainer.seed")
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a ladder sweep planned, from its multirun.yaml."""
+
+    # runtime.cwd joined with hydra.sweep.dir: where it ran (runs record the same); None where Hydra saved
+    # the directory as an interpolation (ladder_smoke's timestamp), which multirun.yaml cannot resolve
+    ran_in: str | None
+    name: str  # ladder.name
+    grid: frozenset[tuple[int, str, int]]  # the jobs' (rung, arm, seed)
+
+
+def _grid_values(task: list[str], params: dict, key: str) -> list[str] | None:
+    """The values the sweep gives `key`: its command-line override, else hydra.sweeper.params (Hydra's
+    order of precedence); None when neither sets it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    given = [o for o in parser.parse_overrides([str(t) for t in task]) if o.get_key_element() == key]
+    if not given and key in params:
+        given = parser.parse_overrides([f"{key}={params[key]}"])
+    if not given:
+        return None
+    o = given[-1]
+    return list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+
+
+def sweep_plan(sweep: Path) -> SweepPlan | None:
+    """The ladder plan of the sweep in `sweep`; None when its multirun.yaml names no ladder or cannot be
+    read (then its runs are fitted as they are)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((sweep / MULTIRUN).read_text()) or {}
+        hydra = cfg["hydra"]
+        name = (cfg.get("ladder") or {}).get("name")
+        if name is None:
+            return None
+        task = (hydra.get("overrides") or {}).get("task") or []
+        params = (hydra.get("sweeper") or {}).get("params") or {}
+        base = {
+            "ladder.rung": [str(cfg["ladder"]["rung"])],
+            "arm": [hydra["runtime"]["choices"].get("arm") or cfg["routing"]["strategy"]],
+            "trainer.seed": [str(cfg["trainer"]["seed"])],
+        }
+        rungs, arms, seeds = (_grid_values(task, params, k) or base[k] for k in GRID_KEYS)
+        grid = frozenset((int(r), str(a), int(s)) for r in rungs for a in arms for s in seeds)
+        where = str(hydra["sweep"]["dir"])
+        ran_in = None if "${" in where else os.path.normpath(os.path.join(hydra["runtime"]["cwd"], where))
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return SweepPlan(ran_in, str(name), grid)
+
+
+def _place(lad: dict) -> str:
+    """Where the ladder puts this run relative to its sweep (trmoe.train.ladder.branch_dir)."""
+    job = str(lad["job"])
+    return job if lad.get("budget_tokens") is None else f"{job}-d{lad['budget_tokens']}"
+
+
+def _foreign(p: Point, plan: SweepPlan) -> str:
+    """Why `p` is no run of `plan` at all ("" when its records say it is one)."""
+    lad = p.record
+    if lad.get("job") is None or lad.get("sweep") is None:
+        return "not this sweep's plan: its ladder record names no sweep or job (an older run)"
+    if p.ladder != plan.name:
+        return f"from another ladder: {p.ladder}, not this sweep's {plan.name}"
+    if lad["sweep"] != plan.ran_in:
+        return f"from another sweep: run in {lad['sweep']}, this sweep in {plan.ran_in}"
+    if (p.rung, p.arm, p.seed) not in plan.grid:
+        return f"not planned: rung {p.rung}, arm {p.arm}, seed {p.seed} is no job of this sweep's grid"
+    if p.budget is not None and p.budget not in (lad.get("budgets") or []):
+        return f"not planned: budget {p.budget} is not among its job's budgets {lad.get('budgets')}"
+    return ""
+
+
+def own(points: list[Point]) -> list[str]:
+    """Mark every run of a ladder sweep that the sweep did not plan, or that is not at its planned place,
+    as no fit point (module docstring); returns the planned runs that have no run, one line each. Runs
+    outside a sweep, or of a sweep whose multirun.yaml names no ladder, are left as they are."""
+    missing: list[str] = []
+    for sweep in sorted({p.sweep for p in points if p.sweep is not None}):
+        plan = sweep_plan(sweep)
+        if plan is None:
+            continue
+        mine = [p for p in points if p.sweep == sweep]
+        if plan.ran_in is None:  # the directory most of the ladder's runs here record: strays are few
+            ran = Counter(p.record.get("sweep") for p in mine if p.ladder == plan.name)
+            ran.pop(None, None)
+            plan = replace(plan, ran_in=ran.most_common(1)[0][0] if ran else "")
+        owned: dict[tuple, Point] = {}
+        copies: list[Point] = []
+        for p in mine:
+            why = _foreign(p, plan)
+            if why:
+                p.excluded = why
+            elif p.where != _place(p.record):
+                copies.append(p)
+            elif (key := (p.rung, p.arm, p.seed, p.budget)) in owned:  # two jobs of one grid point
+                p.excluded = f"duplicate of {owned[key].run}"
+            else:
+                owned[key] = p
+        for p in copies:
+            key, place = (p.rung, p.arm, p.seed, p.budget), _place(p.record)
+            held = owned.get(key)
+            p.excluded = f"duplicate of {held.run}" if held else f"a copy: not at its planned place {place}"
+        # the budgets each rung planned and each job's number, as any run of this ladder and sweep records
+        budgets: dict[int, set[int]] = {}
+        jobs: dict[tuple, int] = {}
+        for p in mine:
+            if p.record.get("sweep") == plan.ran_in and p.ladder == plan.name:
+                budgets.setdefault(p.rung, set()).update(p.record.get("budgets") or [])
+                if p.record.get("job") is not None:
+                    jobs[(p.rung, p.arm, p.seed)] = p.record["job"]
+        for rung, arm, seed in sorted(plan.grid):
+            job = jobs.get((rung, arm, seed))
+            for budget in [None, *sorted(budgets.get(rung, ()))]:
+                if (rung, arm, seed, budget) in owned:
+                    continue
+                what = "stable run" if budget is None else f"branch of {budget} tokens"
+                at = "" if job is None else f" at {_place({'job': job, 'budget_tokens': budget})}"
+                missing.append(f"rung {rung}, arm {arm}, seed {seed}: {what}{at}")
+            if rung not in budgets:
+                no_record = "its branches (no run of the rung records its budgets)"
+                missing.append(f"rung {rung}, arm {arm}, seed {seed}: {no_record}")
+    return missing
 
 
 def select(points: list[Point]) -> list[Point]:

@@ -24,7 +24,7 @@ from trmoe.report import scaling_laws as sl
 from trmoe.report.accuracy_fit import AccuracyFit, fit_accuracy, predict_interval
 from trmoe.report.compare import Arm as ReportArm
 from trmoe.report.compare import pick_control
-from trmoe.report.ladder import Options, Point, is_ladder, kappa_at, n_of, read_point, select
+from trmoe.report.ladder import Options, Point, is_ladder, kappa_at, n_of, own, read_point, select
 from trmoe.report.runs import Run, override_dict
 from trmoe.report.scaling_targets import Target, target
 from trmoe.report.summary import Summary
@@ -94,6 +94,7 @@ class Scaling:
     extra: list[tuple[float, float]] = field(default_factory=list)  # the targets' (C, κ)
     max_loss: float = math.inf  # ln V: a predicted loss above the uniform guess's is no figure
     points: list[Point] = field(default_factory=list)  # every ladder run, fit point or not
+    missing: list[str] = field(default_factory=list)  # planned runs with no run of their own (ladder.own)
 
     def decades(self, arm: ArmFit, C: float) -> float:
         """How far beyond the arm's (and the control's) largest run compute C lies, in decades."""
@@ -133,6 +134,7 @@ def analyse(
     if not ladder_runs:
         return None
     points = [read_point(r, summaries[r.name], opts.n_kind) for r in ladder_runs]
+    missing = own(points)
     usable = select(points)
     by_arm: dict[str, list[Point]] = {}
     for p in usable:
@@ -150,7 +152,18 @@ def analyse(
     chosen, note = pick_control(choices, control) if choices else (None, "no usable run")
     ctrl = arms[choices.index(chosen)] if chosen is not None else None
     targets = [target(t, tokens_per_param=opts.tokens_per_param) for t in opts.targets]
-    out = Scaling(opts, arms, ctrl, note, targets, [], [p for p in points if p.excluded], [], points=points)
+    out = Scaling(
+        opts,
+        arms,
+        ctrl,
+        note,
+        targets,
+        [],
+        [p for p in points if p.excluded],
+        [],
+        points=points,
+        missing=missing,
+    )
     out.max_loss = _ln_vocab(ladder_runs)
     rung_n = []  # the control's N at each rung (the fallback's rungs)
     if ctrl is not None:
@@ -291,6 +304,8 @@ def rows(s: Scaling) -> list[dict]:
 
     for p in s.excluded:
         add("excluded", p.arm, "run", p.run, note=p.excluded)
+    for m in s.missing:
+        add("missing", "", "run", m, note="planned by the sweep, no run of its own")
     for arm in s.arms:
         if not arm.identified:
             fallback = "; fallback: the multipliers at the rungs interpolated from the runs"
@@ -372,6 +387,9 @@ def markdown(s: Scaling) -> list[str]:
             by_reason.setdefault(p.excluded, []).append(p.run)
         lines += ["", f"Left out of the fits ({len(s.excluded)}):", ""]
         lines += [f"- {', '.join(runs)}: {why}" for why, runs in by_reason.items()]
+    if s.missing:
+        lines += ["", f"Planned by the sweep, no run of its own ({len(s.missing)}):", ""]
+        lines += [f"- {m}" for m in s.missing]
     table = rows(s)
     fit_title = "Fits per arm (γ: the frontier's exponent, L* = E + G·(C/κ)^−γ)"
     back_title = "Backtest: the largest rung predicted from the others"
