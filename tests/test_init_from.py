@@ -190,7 +190,11 @@ def train_in_process_fast(run_dir: Path, *overrides: str) -> float:
     ("overrides", "says"),
     [
         (["trainer.init_from=nowhere"], "trainer.init_from=nowhere: no such file or directory"),
-        (["trainer.init_from={parent}", "model.hidden_size=32"], "another model shape"),
+        (  # which shape is whose, never two bare shapes side by side
+            ["trainer.init_from={parent}", "model.hidden_size=32"],
+            "another model shape (22 tensors differ, e.g. blocks.0.attn.k_norm.weight: the parent's (16,), "
+            "this run's (8,))",
+        ),
         (["trainer.init_from={parent}", "trainer.init_state=branch", STEPS], "trainer.steps=12"),
         (
             [

@@ -55,8 +55,7 @@ from trmoe.run.checkpoint import (
     model_shapes,
 )
 from trmoe.run.find import find_checkpoint
-from trmoe.run.identity import ABSENT
-from trmoe.train.preflight import meta_model, stored_config
+from trmoe.train.preflight import meta_model, shape_difference, stored_config
 
 log = logging.getLogger("trmoe")
 
@@ -271,10 +270,9 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
     except CheckpointError as e:
         raise UserError(f"{KEY}: {e} (nothing was written)") from None
     if old != new:
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} here {new.get(changed[0], ABSENT)}"
+        count, example = shape_difference(old, new, "the parent's")
         raise UserError(
-            f"{KEY}={source.path}: another model shape ({len(changed)} tensors differ, e.g. {example}); "
+            f"{KEY}={source.path}: another model shape ({count} tensors differ, e.g. {example}); "
             "allowed: a parent whose model.* builds the same tensors (nothing was written)"
         )
     _check_router_state(source, cfg, new)

@@ -46,6 +46,16 @@ def stored_config(meta: dict[str, Any]) -> Config | None:
         return None
 
 
+def shape_difference(
+    old: dict[str, tuple[int, ...]], new: dict[str, tuple[int, ...]], whose: str
+) -> tuple[int, str]:
+    """How many tensors differ, and the first as `name: <whose> shape (16,), this run's (32,)`: two bare
+    shapes side by side leave the reader to guess which is which."""
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    name = changed[0]
+    return len(changed), f"{name}: {whose} {old.get(name, ABSENT)}, this run's {new.get(name, ABSENT)}"
+
+
 def meta_model(config: Config) -> TRMoETransformer:
     """The model `config` builds, on the meta device (no memory), its scheduled gates frozen as training
     freezes them (so that the optimizer's groups are those of the run)."""
@@ -68,15 +78,14 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
     model = meta_model(cfg)
     new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if old != new:
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} -> {new.get(changed[0], ABSENT)}"
+        count, example = shape_difference(old, new, "the checkpoint's")
         if forced:
             raise UserError(
-                f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
+                f"trainer.force_resume=true cannot change the model's tensors: {count} differ from "
                 f"{info.path} (e.g. {example}) (nothing was changed)"
             )
         raise UserError(
-            f"checkpoint {info.path} does not fit this model: {len(changed)} tensors differ "
+            f"checkpoint {info.path} does not fit this model: {count} tensors differ "
             f"(e.g. {example}); resume it with the trmoe version that wrote it (nothing was changed)"
         )
     stored = stored_config(info.meta) if forced else None
