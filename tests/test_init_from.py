@@ -209,6 +209,10 @@ def train_in_process_fast(run_dir: Path, *overrides: str) -> float:
             ["trainer.init_from={parent}", "trainer.init_state=optimizer", "optimizer=muon_tr"],
             "groups the parameters",
         ),
+        (  # both adamw: the keys that group the parameters otherwise are named, with both values
+            ["trainer.init_from={parent}", "trainer.init_state=optimizer", "optimizer.decay_embedding=true"],
+            "otherwise (optimizer.decay_embedding: the parent's False, this run's True)",
+        ),
         (["trainer.init_state=branch"], "trainer.init_state=branch: needs trainer.init_from"),
         (["trainer.init_from={parent}", "trainer.resume={parent}"], "use one of them"),
     ],

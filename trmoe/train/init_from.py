@@ -55,7 +55,7 @@ from trmoe.run.checkpoint import (
     model_shapes,
 )
 from trmoe.run.find import find_checkpoint
-from trmoe.train.preflight import meta_model, shape_difference, stored_config
+from trmoe.train.preflight import meta_model, optimizer_keys_differing, shape_difference, stored_config
 
 log = logging.getLogger("trmoe")
 
@@ -308,12 +308,17 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
             "train state); allowed: weights"
         )
     stored = stored_config(info.meta)
-    if stored is None or group_layout(meta_model(stored), stored.optimizer) != group_layout(
-        model, cfg.optimizer
-    ):
+    if stored is None:
+        raise UserError(
+            f"trainer.init_state={state}: the config of {source.path} is not one this trmoe reads, so its "
+            "optimizer state cannot be matched to this run's groups; allowed: weights"
+        )
+    if group_layout(meta_model(stored), stored.optimizer) != group_layout(model, cfg.optimizer):
+        # name the keys (both may be adamw: a preset's grouping rules differ, not optimizer.name)
+        keys = optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the parent's") or "model.* differs"
         raise UserError(
             f"trainer.init_state={state}: the optimizer of {source.path} groups the parameters otherwise "
-            f"(optimizer.* differs); allowed: weights, or the parent's optimizer.name"
+            f"({keys}); allowed: weights, or the parent's optimizer settings"
         )
     if not source.branch:
         return

@@ -56,6 +56,22 @@ def shape_difference(
     return len(changed), f"{name}: {whose} {old.get(name, ABSENT)}, this run's {new.get(name, ABSENT)}"
 
 
+def optimizer_keys_differing(old: Any, new: Any, whose: str) -> str:
+    """The optimizer.* keys on which two optimizer configs differ, each with both values (at most four, then a
+    count): `optimizer.decay_embedding: <whose> False, this run's True`. "" when none do (the grouping then
+    follows from the model)."""
+    from trmoe.run.identity import flatten
+
+    def keys(section: Any) -> dict[str, Any]:
+        return flatten(OmegaConf.to_container(OmegaConf.structured(section), enum_to_str=True), "optimizer.")
+
+    was, now = keys(old), keys(new)
+    changed = sorted(k for k in was.keys() | now.keys() if was.get(k, ABSENT) != now.get(k, ABSENT))
+    shown = [f"{k}: {whose} {was.get(k, ABSENT)}, this run's {now.get(k, ABSENT)}" for k in changed[:4]]
+    more = f"; {len(changed) - 4} more" if len(changed) > 4 else ""
+    return "; ".join(shown) + more
+
+
 def meta_model(config: Config) -> TRMoETransformer:
     """The model `config` builds, on the meta device (no memory), its scheduled gates frozen as training
     freezes them (so that the optimizer's groups are those of the run)."""
@@ -103,10 +119,11 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
         was = old_groups[first][0] if first < len(old_groups) else "none"
         now = new_groups[first][0] if first < len(new_groups) else "none"
         what = f"{was} -> {now}" if was != now else f"{was} holds other parameters"
+        keys = optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the checkpoint's")
         raise UserError(
             f"trainer.force_resume=true cannot change how the optimizer groups the parameters (its saved "
             f"state loads group by group): {len(old_groups)} groups in {info.path}, {len(new_groups)} now; "
-            f"group {first}: {what} (nothing was changed)"
+            f"group {first}: {what}{f' ({keys})' if keys else ''} (nothing was changed)"
         )
 
 
