@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
-from trmoe.errors import UserError
+from trmoe.errors import UserError, differences
 from trmoe.model.transformer import TRMoETransformer
 from trmoe.optim.build import group_layout
 from trmoe.optim.schedule import build_schedules, check_extension
@@ -65,11 +65,7 @@ def optimizer_keys_differing(old: Any, new: Any, whose: str) -> str:
     def keys(section: Any) -> dict[str, Any]:
         return flatten(OmegaConf.to_container(OmegaConf.structured(section), enum_to_str=True), "optimizer.")
 
-    was, now = keys(old), keys(new)
-    changed = sorted(k for k in was.keys() | now.keys() if was.get(k, ABSENT) != now.get(k, ABSENT))
-    shown = [f"{k}: {whose} {was.get(k, ABSENT)}, this run's {now.get(k, ABSENT)}" for k in changed[:4]]
-    more = f"; {len(changed) - 4} more" if len(changed) > 4 else ""
-    return "; ".join(shown) + more
+    return differences(keys(old), keys(new), whose)
 
 
 def meta_model(config: Config) -> TRMoETransformer:
