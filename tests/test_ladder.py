@@ -99,6 +99,13 @@ def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
         ("optimizer.schedule=cosine", "optimizer.schedule=cosine: a ladder branches cooldowns"),
         ("optimizer.warmup_steps=null", "a ladder pins the warmup"),
         ("ladder.rung=4", "ladder.rung=4: allowed: 0..3"),
+        ("ladder.name=''", "ladder.name='': a name for the ladder"),
+        # keys the ladder sets per run would be silently replaced; no checkpoints, no branch points: the
+        # whole ladder is refused before its first stable run trains
+        ("trainer.steps=5", "trainer.steps=5: a ladder sets it for each run"),
+        ("optimizer.decay_steps=50", "optimizer.decay_steps=50: a ladder sets it for each run"),
+        ("checkpoint.at_steps=[3]", "checkpoint.at_steps=[3]: a ladder sets it for each run"),
+        ("checkpoint.enabled=false", "checkpoint.enabled=false: a ladder's branches start from"),
         ("routing.primary_weight_final=0.9", "routing.primary_weight_final=0.9: scales with the LR horizon"),
         (
             "ladder.lr_rule=mup arm=hash_vs_learned/learned",
