@@ -257,7 +257,7 @@ class ModelConfig:
     parametrization: Parametrization = Parametrization.sp  # how init/lr/logits scale with width: docs/mup.md
     mup_base_width: int | None = None  # mup: the hidden size the hyper-parameters were tuned at (required)
     mup_base_shared_width: int | None = None  # mup: shared_width tuned at; None = shared_width x base/hidden
-    mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E); None = scaled as shared
+    mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E; k x E); None = as shared
     match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
     match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
     match_multiple: int = 16  # the solved width is a multiple of this (routed_width: and of num_experts)
