@@ -472,7 +472,7 @@ class CheckpointConfig:
 
     enabled: bool = True  # false: no checkpoint at all, not even the final one (the run cannot be resumed)
     every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
-    at_steps: list[int] = field(default_factory=list)  # also save at these steps (a ladder's branch points)
+    at_steps: list[int] = field(default_factory=list)  # also save at these steps (never pruned by keep_last)
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 
