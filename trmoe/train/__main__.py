@@ -5,7 +5,8 @@ directory, so a bad config or input exits with one line and code 2, leaving noth
 
 In a sweep (--multirun, or an experiment=<grid>) a failed job does not stop the others: it leaves
 <job dir>/status.json with its error line (the sweep report lists it as failed) and the process exits 1
-after the last job.
+after the last job; an Optuna search in which every trial failed too (its report written, one line naming
+the trials, where the sweeper itself would end in a traceback).
 """
 
 # ruff: noqa: E402  (the Ctrl-C handler of the start-up is installed before the slow imports)
@@ -47,6 +48,7 @@ from trmoe.run.signals import Preempted, hand_over
 
 _task_started = False
 _failed_jobs: list[str] = []  # sweep jobs of this process that failed (multirun)
+_search: dict = {}  # an Optuna search's Hydra config, kept by its first failed trial
 
 
 def _remove_empty_dirs(path: Path) -> None:
@@ -73,6 +75,7 @@ def _app(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     if "optuna" in str(hc.sweeper.get("_target_", "")).lower() and not value == value:  # NaN: failed
         run_dir = Path(hc.runtime.output_dir)
+        _keep_search(hc, run_dir.parent)
         record = status.read_status(run_dir) or {}
         line = record.get("error") or "the objective (final held-out loss) is not finite: the trial diverged"
         if not record.get("error"):
@@ -167,6 +170,45 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     return float("nan")
 
 
+def _keep_search(hc, sweep_dir: Path) -> None:
+    """The search's Hydra config as this trial saw it, resolved now (its sweep.dir may name the time), for
+    the report should every trial fail (`_no_trial_left`)."""
+    from omegaconf import OmegaConf
+
+    try:
+        hydra_cfg = OmegaConf.to_container(hc, resolve=True)
+    except Exception:  # a key that resolves only inside Hydra: the report needs the sweeper's keys only
+        hydra_cfg = OmegaConf.to_container(hc, resolve=False)
+    hydra_cfg["sweep"] = {**hydra_cfg.get("sweep", {}), "dir": str(sweep_dir)}
+    _search["hydra"] = hydra_cfg
+
+
+def _no_trial_left(e: Exception) -> bool:
+    """An Optuna search in which every trial failed: the sweeper asks its study for the best trial and gets
+    optuna's ValueError ("No trials are completed yet"), and Hydra skips the report callback. Instead: the
+    sweep's report (which lists each trial as failed) and one line naming the trials; exit 1, as any sweep
+    with a failed job (docs/reliability.md)."""
+    if "hydra" not in _search or not _failed_jobs or not isinstance(e, ValueError):
+        return False
+    if "No trials are completed" not in str(e):
+        return False
+    from omegaconf import OmegaConf
+
+    from trmoe.report.callback import ReportCallback
+
+    hydra_cfg = OmegaConf.create(_search["hydra"])
+    report = (hydra_cfg.get("callbacks") or {}).get("report") or {}
+    options = {k: v for k, v in report.items() if k != "_target_"}
+    ReportCallback(**options).on_multirun_end(OmegaConf.create({"hydra": hydra_cfg}))
+    trials = ", ".join(Path(job.split(": ", 1)[0]).name for job in _failed_jobs)
+    print(
+        f"trmoe: every trial of the search failed (trials {trials}: each one's line is above), so there is "
+        f"no best trial; the sweep's report is in {hydra_cfg.sweep.dir}",
+        file=sys.stderr,
+    )
+    return True
+
+
 def _precheck(argv: list[str]) -> None:
     """What can be refused before Hydra writes anything: its command line, parsed as Hydra parses it but with
     one-line errors (Hydra prints its usage block); a group given more than one option; and every job of a
@@ -225,6 +267,7 @@ def _main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, _previous_sigint)  # from here on Ctrl-C is a KeyboardInterrupt
     _task_started = False
     _failed_jobs.clear()
+    _search.clear()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "trmoe.train", *argv]
     try:
@@ -254,6 +297,8 @@ def _compose_and_run(argv: list[str]) -> int:
             return 2
         raise
     except Exception as e:
+        if _no_trial_left(e):
+            return 1
         if user_asked or _task_started:  # a failure of the job itself keeps its traceback
             raise
         if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too
