@@ -44,6 +44,7 @@ import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra co
 from trmoe.config.resolve import compose_error, to_config
 from trmoe.errors import RunFailed, UserError
 from trmoe.run import status, storage
+from trmoe.run.rundir import named_by
 from trmoe.run.signals import Preempted, hand_over
 
 _task_started = False
@@ -91,6 +92,7 @@ def _job(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sweeping = hc.mode == RunMode.MULTIRUN
+    named_by("hydra.sweep.dir" if sweeping else "run.name")  # the key the advice names to choose another dir
     try:
         checked = to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
         if checked.ladder.name is not None:  # a ladder's job: its stable run and a branch per budget
@@ -124,6 +126,7 @@ def _job(cfg: DictConfig) -> float:
             return _sweep_job_failed(run_dir, e)
         raise
     finally:
+        named_by("run.name")  # (a later train() in this process outside a sweep)
         # the process group of a torchrun/submitit job ends with the job (a basic-launcher sweep reuses
         # this process for the next one); only a job that got as far as loading the runtime can have one
         if "trmoe.runtime.distributed" in sys.modules:
@@ -165,7 +168,9 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     if status.read_status(run_dir) is None:  # failed before the loop created the run's records (bad config)
         run_dir.mkdir(parents=True, exist_ok=True)
         status.write_status(run_dir, status.FAILED, error=line, overrides=list(hc.overrides.task))
-    print(f"trmoe: sweep job {hc.job.num} failed: {line}", file=sys.stderr)
+    # a refusal's diff and advice follow its first line (status.json and the summary keep that line only)
+    said = str(exc).strip() if isinstance(exc, UserError) and str(exc).strip() else line
+    print(f"trmoe: sweep job {hc.job.num} failed: {said}", file=sys.stderr)
     _failed_jobs.append(f"{run_dir}: {line}")
     return float("nan")
 

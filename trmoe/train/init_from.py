@@ -55,6 +55,7 @@ from trmoe.run.checkpoint import (
     model_shapes,
 )
 from trmoe.run.find import find_checkpoint
+from trmoe.run.rundir import named_by
 from trmoe.train.preflight import meta_model, optimizer_keys_differing, shape_difference, stored_config
 
 log = logging.getLogger("trmoe")
@@ -291,7 +292,8 @@ def _check_same_parent(source: InitSource, recorded: Any) -> None:
         raise UserError(
             f"{KEY}={source.path}: not the parent this run started from (step {recorded.get('step')}, "
             f"content {then[:12]} then; step {source.step}, content {now[:12]} now); allowed: the parent it "
-            "started from (restore it), or another run.name for a new run from this one (nothing was written)"
+            f"started from (restore it), or another {named_by()} for a new run from this one (nothing was "
+            "written)"
         )
 
 
