@@ -58,3 +58,11 @@ def differences(was: dict, now: dict, whose: str, limit: int = 4) -> str:
         f"{k}: {whose} {was.get(k, '<absent>')}, this run's {now.get(k, '<absent>')}" for k in changed[:limit]
     ]
     return "; ".join(shown) + (f"; {len(changed) - limit} more" if len(changed) > limit else "")
+
+
+def shape_difference(old: dict[str, tuple], new: dict[str, tuple], whose: str) -> tuple[int, str]:
+    """How many tensors differ, and the first as `name: <whose> (16,), this run's (32,)`: two bare shapes
+    side by side leave the reader to guess which is which."""
+    name = min(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    count = sum(old.get(k) != new.get(k) for k in old.keys() | new.keys())
+    return count, f"{name}: {whose} {old.get(name, '<absent>')}, this run's {new.get(name, '<absent>')}"

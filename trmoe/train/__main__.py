@@ -76,7 +76,9 @@ def _app(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     if "optuna" in str(hc.sweeper.get("_target_", "")).lower() and not value == value:  # NaN: failed
         run_dir = Path(hc.runtime.output_dir)
-        _keep_search(hc, run_dir.parent)
+        from trmoe.report.study import search_config
+
+        _search.setdefault("hydra", search_config(hc, run_dir.parent))  # should every trial fail
         record = status.read_status(run_dir) or {}
         line = record.get("error") or "the objective (final held-out loss) is not finite: the trial diverged"
         if not record.get("error"):
@@ -175,42 +177,15 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     return float("nan")
 
 
-def _keep_search(hc, sweep_dir: Path) -> None:
-    """The search's Hydra config as this trial saw it, resolved now (its sweep.dir may name the time), for
-    the report should every trial fail (`_no_trial_left`)."""
-    from omegaconf import OmegaConf
-
-    try:
-        hydra_cfg = OmegaConf.to_container(hc, resolve=True)
-    except Exception:  # a key that resolves only inside Hydra: the report needs the sweeper's keys only
-        hydra_cfg = OmegaConf.to_container(hc, resolve=False)
-    hydra_cfg["sweep"] = {**hydra_cfg.get("sweep", {}), "dir": str(sweep_dir)}
-    _search["hydra"] = hydra_cfg
-
-
 def _no_trial_left(e: Exception) -> bool:
-    """An Optuna search in which every trial failed: the sweeper asks its study for the best trial and gets
-    optuna's ValueError ("No trials are completed yet"), and Hydra skips the report callback. Instead: the
-    sweep's report (which lists each trial as failed) and one line naming the trials; exit 1, as any sweep
-    with a failed job (docs/reliability.md)."""
-    if "hydra" not in _search or not _failed_jobs or not isinstance(e, ValueError):
-        return False
-    if "No trials are completed" not in str(e):
-        return False
-    from omegaconf import OmegaConf
+    """An Optuna search in which every trial failed (the sweeper's ValueError from `study.best_trial`): its
+    report and one line naming the trials (trmoe.report.study.report_failed_search); exit 1, as any sweep
+    with a failed job."""
+    from trmoe.report.study import report_failed_search
 
-    from trmoe.report.callback import ReportCallback
-
-    hydra_cfg = OmegaConf.create(_search["hydra"])
-    report = (hydra_cfg.get("callbacks") or {}).get("report") or {}
-    options = {k: v for k, v in report.items() if k != "_target_"}
-    ReportCallback(**options).on_multirun_end(OmegaConf.create({"hydra": hydra_cfg}))
-    trials = ", ".join(Path(job.split(": ", 1)[0]).name for job in _failed_jobs)
-    print(
-        f"trmoe: every trial of the search failed (trials {trials}: each one's line is above), so there is "
-        f"no best trial; the sweep's report is in {hydra_cfg.sweep.dir}",
-        file=sys.stderr,
-    )
+    if "hydra" not in _search or not _failed_jobs or "No trials are completed" not in str(e):
+        return False
+    report_failed_search(_search["hydra"], [Path(job.split(": ", 1)[0]).name for job in _failed_jobs])
     return True
 
 

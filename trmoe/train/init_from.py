@@ -43,7 +43,7 @@ import torch
 
 from trmoe.config.schema import Config, InitState
 from trmoe.config.spec import model_spec
-from trmoe.errors import UserError
+from trmoe.errors import UserError, shape_difference
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
     TORCH_PAYLOAD,
@@ -56,7 +56,7 @@ from trmoe.run.checkpoint import (
 )
 from trmoe.run.find import find_checkpoint
 from trmoe.run.rundir import named_by
-from trmoe.train.preflight import meta_model, optimizer_keys_differing, shape_difference, stored_config
+from trmoe.train.preflight import meta_model, stored_config
 
 log = logging.getLogger("trmoe")
 
@@ -301,7 +301,7 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
     from trmoe.config.derived import eval_windows, global_batch_tokens, held_out_change
-    from trmoe.optim.build import group_layout
+    from trmoe.optim.build import group_layout, optimizer_keys_differing
 
     info, state, t = source.info, source.state.value, cfg.trainer
     if source.kind == "converted":
@@ -310,14 +310,12 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
             "train state); allowed: weights"
         )
     stored = stored_config(info.meta)
-    if stored is None:
-        raise UserError(
-            f"trainer.init_state={state}: the config of {source.path} is not one this trmoe reads, so its "
-            "optimizer state cannot be matched to this run's groups; allowed: weights"
-        )
-    if group_layout(meta_model(stored), stored.optimizer) != group_layout(model, cfg.optimizer):
+    if stored is None or group_layout(meta_model(stored), stored.optimizer) != group_layout(
+        model, cfg.optimizer
+    ):
         # name the keys (both may be adamw: a preset's grouping rules differ, not optimizer.name)
-        keys = optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the parent's") or "model.* differs"
+        keys = stored and optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the parent's")
+        keys = keys or ("model.* differs" if stored else "its config is not one this trmoe reads")
         raise UserError(
             f"trainer.init_state={state}: the optimizer of {source.path} groups the parameters otherwise "
             f"({keys}); allowed: weights, or the parent's optimizer settings"

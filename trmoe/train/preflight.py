@@ -14,12 +14,11 @@ from omegaconf import OmegaConf
 
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
-from trmoe.errors import UserError, differences
+from trmoe.errors import UserError, shape_difference
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.optim.build import group_layout
+from trmoe.optim.build import group_layout, optimizer_keys_differing
 from trmoe.optim.schedule import build_schedules, check_extension
 from trmoe.run.checkpoint import CheckpointError, CheckpointInfo, model_shapes
-from trmoe.run.identity import ABSENT
 from trmoe.run.launch import Launch
 from trmoe.train.prepare import freeze_scheduled_gates
 
@@ -44,28 +43,6 @@ def stored_config(meta: dict[str, Any]) -> Config | None:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except Exception:  # a config from another trmoe version: the key diff already reports it
         return None
-
-
-def shape_difference(
-    old: dict[str, tuple[int, ...]], new: dict[str, tuple[int, ...]], whose: str
-) -> tuple[int, str]:
-    """How many tensors differ, and the first as `name: <whose> shape (16,), this run's (32,)`: two bare
-    shapes side by side leave the reader to guess which is which."""
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    name = changed[0]
-    return len(changed), f"{name}: {whose} {old.get(name, ABSENT)}, this run's {new.get(name, ABSENT)}"
-
-
-def optimizer_keys_differing(old: Any, new: Any, whose: str) -> str:
-    """The optimizer.* keys on which two optimizer configs differ, each with both values (at most four, then a
-    count): `optimizer.decay_embedding: <whose> False, this run's True`. "" when none do (the grouping then
-    follows from the model)."""
-    from trmoe.run.identity import flatten
-
-    def keys(section: Any) -> dict[str, Any]:
-        return flatten(OmegaConf.to_container(OmegaConf.structured(section), enum_to_str=True), "optimizer.")
-
-    return differences(keys(old), keys(new), whose)
 
 
 def meta_model(config: Config) -> TRMoETransformer:
