@@ -610,6 +610,14 @@ def validate_ladder(cfg: Config) -> None:
             lad.head_dim,
             f"must be even and divide every ladder.hidden={list(lad.hidden)} (num_heads = hidden / head_dim)",
         )
+    heads = [h // lad.head_dim for h in lad.hidden]
+    if any(n % lad.kv_group for n in heads):  # max(1, n // kv_group) would group some rungs otherwise
+        _fail(
+            "ladder.kv_group",
+            lad.kv_group,
+            f"must divide every rung's num_heads {heads} (hidden / head_dim), so that every rung groups "
+            f"{lad.kv_group} query heads per key/value head",
+        )
     if not 0 <= lad.rung < len(lad.hidden):
         _fail("ladder.rung", lad.rung, f"allowed: 0..{len(lad.hidden) - 1} (an index into ladder.hidden)")
     for name in ("shared_ratio", "routed_ratio"):
