@@ -73,6 +73,19 @@ def test_keep_last_prunes_oldest_and_never_the_newest(tmp_path):
     assert [s for s, _ in every.step_dirs()] == [5, 6, 7]
 
 
+def test_checkpoints_asked_for_by_step_are_never_pruned_by_keep_last(tmp_path):
+    """checkpoint.at_steps saves were asked for by step: keep_last counts the others (it pruned them with no
+    notice); the newest is still never pruned."""
+    model, optimizer = _model_and_optimizer()
+    store = CheckpointStore(tmp_path, keep_last=1, every_steps=1, at_steps=(2, 3))
+    for step in (1, 2, 3, 4, 5):
+        store.save(step, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert [s for s, _ in store.step_dirs()] == [2, 3, 5] and read_pointer(tmp_path) == "step_00000005"
+    newest_asked = CheckpointStore(tmp_path, keep_last=1, at_steps=(6,))
+    newest_asked.save(6, model=model, optimizer=optimizer, local_state={}, meta={})
+    assert [s for s, _ in newest_asked.step_dirs()] == [5, 6]  # 2 and 3 are this config's periodic ones now
+
+
 def test_a_kill_inside_a_re_save_of_a_step_keeps_that_step(tmp_path, monkeypatch):
     """A re-save of the same step (a spike rollback's) sets the old copy aside, then moves the new one in.
     Killed between the two renames, the set-aside copy is that checkpoint: found, verified and loaded, and

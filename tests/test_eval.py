@@ -392,6 +392,11 @@ def test_the_task_index_is_kept_on_disk_and_never_stale(tmp_path, monkeypatch):
     assert "b_mc" not in Small().all_tasks and "a_mc" in Small().all_tasks  # read from the file
     cached.write_text("{not json")  # unreadable: indexed again and written again
     assert "b_mc" in Small().all_tasks and "b_mc" in json.loads(cached.read_text())["entries"]
+    stored = json.loads(cached.read_text())  # an entry whose YAML no longer exists: never trusted
+    stored["entries"]["b_mc"][2] = str(tmp_path / "gone" / "b_mc.yaml")
+    cached.write_text(json.dumps(stored))
+    assert Small().task_index["b_mc"].yaml_path == folder / "b_mc.yaml"  # indexed again
+    assert json.loads(cached.read_text())["entries"]["b_mc"][2] == str(folder / "b_mc.yaml")  # written again
     task("c_mc")  # added
     assert {"b_mc", "c_mc"} <= set(Small().all_tasks)
     task("c_mc", "metadata: {note: edited}\n")  # edited (its size)

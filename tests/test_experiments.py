@@ -535,3 +535,21 @@ def test_a_sweep_over_seeds_only_is_one_arm(tmp_path):
         (pair,) = list(csv.DictReader(f))
     assert (pair["arm"], pair["control"], pair["n_seeds"]) == ("rnd", "mc", "2")
     assert "Seed set differs" not in (tmp_path / "sweeps" / "report.md").read_text()
+
+
+def test_two_sweeps_into_one_sweep_dir_are_told_so(tmp_path):
+    """A second sweep into the first one's hydra.sweep.dir meets its job directories (<sweep dir>/0, ...),
+    whatever run.name says: the advice names hydra.sweep.dir, and the report it writes over the first one's
+    says so instead of replacing it silently."""
+    sweep = tmp_path / "grid"
+    base = ["-m", "data=random", "model.vocab_size=512", "hardware=cpu", *TINY_RUN]
+    base.append(f"hydra.sweep.dir={sweep}")
+    first = cli([*base, "trainer.seed=1,2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "held the report" not in first.stderr
+    second = cli([*base, "trainer.seed=1,2", "optimizer.lr=1e-2", "run.name=other"], tmp_path)
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert "trmoe: sweep job 0 failed: run directory" in second.stderr
+    assert "choose another hydra.sweep.dir" in second.stderr and "another run.name" not in second.stderr
+    told = f"{sweep / 'report.md'} held the report of an earlier sweep in this hydra.sweep.dir"
+    assert told in second.stderr

@@ -190,7 +190,11 @@ def train_in_process_fast(run_dir: Path, *overrides: str) -> float:
     ("overrides", "says"),
     [
         (["trainer.init_from=nowhere"], "trainer.init_from=nowhere: no such file or directory"),
-        (["trainer.init_from={parent}", "model.hidden_size=32"], "another model shape"),
+        (  # which shape is whose, never two bare shapes side by side
+            ["trainer.init_from={parent}", "model.hidden_size=32"],
+            "another model shape (22 tensors differ, e.g. blocks.0.attn.k_norm.weight: the parent's (16,), "
+            "this run's (8,))",
+        ),
         (["trainer.init_from={parent}", "trainer.init_state=branch", STEPS], "trainer.steps=12"),
         (
             [
@@ -204,6 +208,10 @@ def train_in_process_fast(run_dir: Path, *overrides: str) -> float:
         (
             ["trainer.init_from={parent}", "trainer.init_state=optimizer", "optimizer=muon_tr"],
             "groups the parameters",
+        ),
+        (  # both adamw: the keys that group the parameters otherwise are named, with both values
+            ["trainer.init_from={parent}", "trainer.init_state=optimizer", "optimizer.decay_embedding=true"],
+            "otherwise (optimizer.decay_embedding: the parent's False, this run's True)",
         ),
         (["trainer.init_state=branch"], "trainer.init_state=branch: needs trainer.init_from"),
         (["trainer.init_from={parent}", "trainer.resume={parent}"], "use one of them"),

@@ -100,6 +100,15 @@ def test_the_mup_lr_rule_takes_rung_0_as_the_base_shape(arm):
         ("optimizer.schedule=cosine", "optimizer.schedule=cosine: a ladder branches cooldowns"),
         ("optimizer.warmup_steps=null", "a ladder pins the warmup"),
         ("ladder.rung=4", "ladder.rung=4: allowed: 0..3"),
+        ("ladder.name=''", "ladder.name='': a name for the ladder"),
+        # 1, 2, 3, 4 heads: max(1, heads // 2) grouped them 1:1, 2:1, 3:1 and 2:1
+        ("ladder.kv_group=2", "ladder.kv_group=2: must divide every rung's num_heads [1, 2, 3, 4]"),
+        # keys the ladder sets per run would be silently replaced; no checkpoints, no branch points: the
+        # whole ladder is refused before its first stable run trains
+        ("trainer.steps=5", "trainer.steps=5: a ladder sets it for each run"),
+        ("optimizer.decay_steps=50", "optimizer.decay_steps=50: a ladder sets it for each run"),
+        ("checkpoint.at_steps=[3]", "checkpoint.at_steps=[3]: a ladder sets it for each run"),
+        ("checkpoint.enabled=false", "checkpoint.enabled=false: a ladder's branches start from"),
         ("routing.primary_weight_final=0.9", "routing.primary_weight_final=0.9: scales with the LR horizon"),
         (
             "ladder.lr_rule=mup arm=hash_vs_learned/learned",
@@ -171,6 +180,7 @@ TINY_LADDER = [
     "ladder.hidden=[16,24,32,48]",
     "ladder.rung=0,1,2,3",
     "ladder.head_dim=8",
+    "ladder.kv_group=1",  # 2, 3, 4 and 6 heads: one grouping for every rung
     "ladder.aspect=16",
     "ladder.min_layers=1",
     "ladder.tokens=[640,1280,1920]",  # 10, 20, 30 steps of 64 tokens, branched at 8, 16, 24

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_run, cli, compose_config, drive, launch_ranks, metrics_rows
+from helpers import assert_same_run, cli, compose_config, drive, launch_ranks, metrics_rows, tree_digest
 from presets import O200K_NARROW
 
 from trmoe.config.resolve import to_config
@@ -336,6 +336,31 @@ def test_the_planner_shows_tokens_and_epochs_per_source(corpora):
     assert mix["help"]["epochs"] == pytest.approx(2560 / mix["help"]["windows"])
     text = render(plan)
     assert "data mixture" in text and f"{mix['help']['epochs']:.2f} epochs" in text
+
+
+def test_a_data_cursor_mismatch_names_what_differs(corpora, trained, tmp_path):
+    """The same sources in another order (no config key differs: the sources are a mapping) read another
+    sequence of samples: refused, naming the order with both values, never two bare fingerprints."""
+    run_dir = tmp_path / "m"
+    shutil.copytree(trained, run_dir)
+    before = tree_digest(run_dir)
+    help_first = mixture(corpora)
+    swapped = [
+        *help_first[:1],
+        f"+data.sources={{code: {{source: fineweb, path: '{corpora / 'code.parquet'}', weight: 0.2}}, "
+        "help: {source: embedded, weight: 0.8}}",
+        *help_first[2:],
+    ]
+    extend = ["trainer.micro_batch=8", "trainer.steps=13", "optimizer.decay_steps=12"]
+    with pytest.raises(UserError) as e:
+        train(compose_config(*swapped, *RUN, *extend), run_dir)
+    said = str(e.value)
+    expected = (
+        "data cursor: data.sources (in order): the checkpoint's ['help', 'code'], this run's ['code', 'help']"
+    )
+    assert said.startswith(expected), said
+    assert "resume needs the same data" in said and "\n" not in said
+    assert tree_digest(run_dir) == before
 
 
 def test_a_source_moved_with_the_same_bytes_resumes(corpora, trained, tmp_path):

@@ -235,6 +235,10 @@ BAD = [
         "shared_width",
     ),
     (["model.mup_base_width=32"], "only with model.parametrization=mup"),
+    (  # a base expert width of 3 / 4 = 0.75: a base whose expert width is no whole number
+        [*MUP, "model.num_experts=4", "model.mup_base_routed_width=3"],
+        "model.mup_base_routed_width=3: must be a multiple of model.num_experts=4",
+    ),
     (["model.parametrization=mupp"], "model.parametrization"),
     ([*MUP, "routing=learned"], "routing.strategy=learned"),
     ([*MUP, "model.init=legacy_kaiming"], "model.init=legacy_kaiming"),

@@ -192,8 +192,10 @@ def test_force_resume_continues_and_is_recorded(small_run, tmp_path):
         train_in_process(run_dir, *RESUME_SMALL, "model.shared_width=128", "trainer.force_resume=true")
     # nor how the optimizer groups them: its saved state loads group by group (a scheduled gate leaves it)
     for change in ("model.shared_gate_final=0.5", "optimizer.decay_embedding=true", "optimizer=stosignsgd"):
-        with pytest.raises(UserError, match="cannot change how the optimizer groups the parameters"):
+        with pytest.raises(UserError, match="cannot change how the optimizer groups the parameters") as e:
             train_in_process(run_dir, *RESUME_SMALL, change, "trainer.force_resume=true")
+        if change.startswith("optimizer.decay"):  # the key that groups them otherwise, both values
+            assert "(optimizer.decay_embedding: the checkpoint's False, this run's True)" in str(e.value)
     # nor the tokens per step: the steps already run read their samples and counted tokens by it
     with pytest.raises(UserError, match=r"cannot change the tokens per step \(256 -> 512"):
         train_in_process(run_dir, *RESUME_SMALL, "trainer.micro_batch=8", "trainer.force_resume=true")
@@ -260,3 +262,30 @@ def test_each_attempt_records_its_code_and_machine_and_a_change_is_logged(small_
     assert before == {"git": first["git"], "backend": first["backend"]}
     assert before["backend"]["threads"] == 1 and rc["backend"]["threads"] == 2
     assert "backend.threads 1 -> 2" in (run_dir / "train.log").read_text()
+
+
+def test_a_moved_routing_embedding_resumes_and_other_bytes_are_refused(tmp_path):
+    """routing.embedding is where the file is (volatile); its content hash is critical: the same bytes at
+    another path resume, other bytes at the same path are refused naming derived.route_embedding_sha256."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    first = tmp_path / "emb.npy"
+    np.save(first, rng.standard_normal((512, 8)).astype(np.float32))
+    run_dir = tmp_path / "r"
+    args = ["routing=clustered_hash", "trainer.steps=4", "checkpoint.every_steps=2"]
+    args += ["optimizer.decay_steps=20"]  # the horizon pinned: the run may be extended
+    train_in_process(run_dir, *args, f"routing.embedding={first}")
+    moved = tmp_path / "moved" / "emb.npy"
+    moved.parent.mkdir()
+    first.rename(moved)
+    train_in_process(run_dir, *args, "trainer.steps=6", f"routing.embedding={moved}")
+    assert load_checkpoint(run_dir)["step"] == 6
+    record = json.loads((run_dir / "run_config.json").read_text())["resumes"][-1]["volatile_changes"]
+    assert record["routing.embedding"] == [str(first), str(moved)]
+    np.save(moved, rng.standard_normal((512, 8)).astype(np.float32))  # other bytes, same place
+    before = tree_digest(run_dir)
+    with pytest.raises(UserError, match="resume config mismatch") as err:
+        train_in_process(run_dir, *args, "trainer.steps=8", f"routing.embedding={moved}")
+    assert "derived.route_embedding_sha256" in str(err.value)
+    assert tree_digest(run_dir) == before

@@ -94,3 +94,20 @@ def test_a_diverged_or_stopped_trial_is_failed_and_the_study_goes_on(tmp_path, s
     trials = report.split("## Trials")[1].split("## Runs")[0]
     row = next(line for line in trials.splitlines() if line.startswith("| 3 | 0 |"))
     assert "failed" in row or "diverged" in row, row
+
+
+def test_a_search_in_which_every_trial_fails_writes_its_report_and_one_line(tmp_path):
+    """Every trial diverges: the sweeper's own `study.best_trial` has no trial to give ("No trials are
+    completed yet", a traceback, no report). trmoe answers with the sweep's report (each trial failed) and
+    one line naming the trials, exit 1 as any sweep with a failed job."""
+    args = [*SEARCH[:1], "hydra.sweeper.n_trials=2", *SEARCH[2:]]
+    out = cli([*args, "optimizer.lr=interval(1e29,1e30)", "guard.skip_nonfinite=false"], tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "No trials are completed" not in out.stderr
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("trmoe: every trial of the search failed (trials 0, 1:"), last
+    assert str(sweep) in last
+    trials = (sweep / "report.md").read_text().split("## Trials")[1].split("## Runs")[0]
+    rows = [line for line in trials.splitlines() if re.match(r"^\| \d \| \d \|", line)]
+    assert len(rows) == 2 and all("failed" in row or "diverged" in row for row in rows), trials

@@ -47,3 +47,22 @@ def require_writable(path: Path, name: str, allowed: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not os.access(existing, os.W_OK):
         raise UserError(f"{name}: {existing} is not writable; {allowed}")
+
+
+def differences(was: dict, now: dict, whose: str, limit: int = 4) -> str:
+    """The keys on which two records differ, each with both values, in first-seen order (at most `limit`, then
+    a count): `key: <whose> 1, this run's 2`. A refusal that says only that something differs leaves the
+    reader to diff by hand. "" when nothing differs."""
+    changed = [k for k in dict.fromkeys([*was, *now]) if was.get(k, "<absent>") != now.get(k, "<absent>")]
+    shown = [
+        f"{k}: {whose} {was.get(k, '<absent>')}, this run's {now.get(k, '<absent>')}" for k in changed[:limit]
+    ]
+    return "; ".join(shown) + (f"; {len(changed) - limit} more" if len(changed) > limit else "")
+
+
+def shape_difference(old: dict[str, tuple], new: dict[str, tuple], whose: str) -> tuple[int, str]:
+    """How many tensors differ, and the first as `name: <whose> (16,), this run's (32,)`: two bare shapes
+    side by side leave the reader to guess which is which."""
+    name = min(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    count = sum(old.get(k) != new.get(k) for k in old.keys() | new.keys())
+    return count, f"{name}: {whose} {old.get(name, '<absent>')}, this run's {new.get(name, '<absent>')}"

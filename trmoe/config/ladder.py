@@ -138,10 +138,37 @@ class LadderPlan:
         return max(b.steps for b in self.budgets)
 
 
+def _check_keys_it_sets(cfg: Config) -> None:
+    """A job's keys that the ladder sets per run (trmoe.train.ladder's stable and branch configs) would be
+    silently replaced, and a ladder without checkpoints has no branch points to branch from: refused before
+    the first run (the job's own config; the runs the ladder makes set these keys themselves, and never
+    come here). trainer.steps is compared with its schema default, the only value that says "not set"."""
+    from trmoe.config.schema import TrainerConfig
+
+    set_here = {
+        "trainer.steps": (cfg.trainer.steps, TrainerConfig.steps),
+        "optimizer.decay_steps": (cfg.optimizer.decay_steps, None),
+        "checkpoint.at_steps": (list(cfg.checkpoint.at_steps), []),
+    }
+    for key, (value, unset) in set_here.items():
+        if value != unset:
+            raise UserError(
+                f"config error: {key}={value}: a ladder sets it for each run (the stable run to its last "
+                "branch point, each branch to its budget: ladder.tokens / ladder.tokens_per_param); allowed: "
+                "unset"
+            )
+    if not cfg.checkpoint.enabled:
+        raise UserError(
+            "config error: checkpoint.enabled=false: a ladder's branches start from the stable run's "
+            "checkpoints at their branch points; allowed: true"
+        )
+
+
 def plan(cfg: Config, tokens_per_step: int, rung: int | None = None) -> LadderPlan:
     """The budgets of rung `rung` (default ladder.rung) in steps; a UserError when two budgets meet at one
     step or a branch point is not after the warmup."""
     lad = cfg.ladder
+    _check_keys_it_sets(cfg)
     rung = lad.rung if rung is None else rung
     counts = reference_counts(cfg, rung)
     n = counts.active - counts.embedding

@@ -257,7 +257,7 @@ class ModelConfig:
     parametrization: Parametrization = Parametrization.sp  # how init/lr/logits scale with width: docs/mup.md
     mup_base_width: int | None = None  # mup: the hidden size the hyper-parameters were tuned at (required)
     mup_base_shared_width: int | None = None  # mup: shared_width tuned at; None = shared_width x base/hidden
-    mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E); None = scaled as shared
+    mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E; k x E); None = as shared
     match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
     match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
     match_multiple: int = 16  # the solved width is a multiple of this (routed_width: and of num_experts)
@@ -472,7 +472,7 @@ class CheckpointConfig:
 
     enabled: bool = True  # false: no checkpoint at all, not even the final one (the run cannot be resumed)
     every_steps: int = 500  # save every this many steps (also at the end and on a stop signal); 0 = end only
-    at_steps: list[int] = field(default_factory=list)  # also save at these steps (a ladder's branch points)
+    at_steps: list[int] = field(default_factory=list)  # also save at these steps (never pruned by keep_last)
     keep_last: int = 2  # newest complete checkpoints kept (older ones pruned after each save); 0 = keep all
     format: CheckpointFormat = CheckpointFormat.auto  # auto: dcp when distributed, torch otherwise
 

@@ -28,7 +28,7 @@ def _route_frequencies(cfg: Config) -> str | None:
     return str(path) if path is not None else None
 
 
-def _route_embedding(cfg: Config) -> str | None:
+def route_embedding(cfg: Config) -> str | None:
     """routing.embedding as an absolute path (read where the model is built), for the strategies that read
     it."""
     reads = any(REGISTRY[name].needs_embedding for name in layer_strategies(cfg))
@@ -87,7 +87,7 @@ def model_spec(cfg: Config) -> ModelSpec:
         norm_eps=m.norm_eps,
         init=m.init.value,
         route_frequencies=_route_frequencies(cfg),
-        route_embedding=_route_embedding(cfg),
+        route_embedding=route_embedding(cfg),
         layer_strategies=layer_strategies(cfg) if cfg.routing.layers else (),
         combine=r.combine.value,
         **mup_fields(cfg),

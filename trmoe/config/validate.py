@@ -249,6 +249,13 @@ def _validate_mup(cfg: Config) -> None:
             _fail(f"model.{name}", base, f"model.{of}=0 has no width to scale; allowed: null")
         if not 1 <= base <= size:
             _fail(f"model.{name}", base, f"must be in [1, model.{of}={size}] (the base is the smaller model)")
+    if m.mup_base_routed_width is not None and m.mup_base_routed_width % m.num_experts:
+        # as routed_width itself: the base's expert width is base / E, which must be a whole width
+        _fail(
+            "model.mup_base_routed_width",
+            m.mup_base_routed_width,
+            f"must be a multiple of model.num_experts={m.num_experts} (each base expert gets base / E)",
+        )
     if m.mup_base_width % m.num_heads:
         _fail(
             "model.mup_base_width",
@@ -588,6 +595,8 @@ def validate_ladder(cfg: Config) -> None:
     lad, o = cfg.ladder, cfg.optimizer
     if lad.name is None:
         return
+    if not lad.name.strip():  # '' is not null: it would make a ladder that the report cannot name
+        _fail("ladder.name", repr(lad.name), "a name for the ladder (null: not a ladder run)")
     if len(lad.hidden) < 2:
         _fail("ladder.hidden", list(lad.hidden), "a ladder needs at least 2 rungs (3 for a fit)")
     if any(b <= a for a, b in zip(lad.hidden, lad.hidden[1:], strict=False)) or lad.hidden[0] < 1:
@@ -600,6 +609,14 @@ def validate_ladder(cfg: Config) -> None:
             "ladder.head_dim",
             lad.head_dim,
             f"must be even and divide every ladder.hidden={list(lad.hidden)} (num_heads = hidden / head_dim)",
+        )
+    heads = [h // lad.head_dim for h in lad.hidden]
+    if any(n % lad.kv_group for n in heads):  # max(1, n // kv_group) would group some rungs otherwise
+        _fail(
+            "ladder.kv_group",
+            lad.kv_group,
+            f"must divide every rung's num_heads {heads} (hidden / head_dim), so that every rung groups "
+            f"{lad.kv_group} query heads per key/value head",
         )
     if not 0 <= lad.rung < len(lad.hidden):
         _fail("ladder.rung", lad.rung, f"allowed: 0..{len(lad.hidden) - 1} (an index into ladder.hidden)")

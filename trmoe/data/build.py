@@ -39,13 +39,14 @@ def pipeline(
     fixed: Source,
     text: bool | None,
     streams: tuple[str, str],
-    identity: list,
+    identity: list[tuple[str, Any]],
 ) -> DataPipeline:
     """What every builder returns: the training source, the first batches of the held-out source (the same
     at every evaluation) and of the training split (`fixed`, for eval_train_loss), what those two figures are
-    computed on (`streams`: training split, held out), and the data's identity (checked when a data cursor
-    is loaded). `text`: whether the ids are o200k text, so that the held-out bytes (bpb) are counted; the
-    info records the tokens and bytes scored, unless None (ids that are no text at all: nothing recorded)."""
+    computed on (`streams`: training split, held out), and the data's identity as (name, value) pairs
+    (checked when a data cursor is loaded; the names let a mismatch say what differs). `text`: whether the
+    ids are o200k text, so that the held-out bytes (bpb) are counted; the info records the tokens and bytes
+    scored, unless None (ids that are no text at all: nothing recorded)."""
     eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
     eval_bytes = scored_bytes(eval_set) if text else None
     if text is not None:
@@ -57,7 +58,8 @@ def pipeline(
         eval_train_set=eval_batches(fixed, t.micro_batch, t.eval_batches),
         eval_bytes=eval_bytes,
         streams=describe_streams(*streams),
-        fingerprint=digest(identity),
+        fingerprint=digest([value for _, value in identity]),  # the values only: what older checkpoints hold
+        identity=dict(identity),
     )
 
 
@@ -115,7 +117,11 @@ def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
         f"the first windows of the {corpus.name} held-out documents (disjoint from training documents)",
     )
     # the content, not the location: a text file may move between the attempts of a run
-    identity = [corpus.info["source"], corpus.info.get("documents_sha256"), corpus.info["split"]]
+    identity = [
+        ("source", corpus.info["source"]),
+        ("documents sha256", corpus.info.get("documents_sha256")),
+        ("split", corpus.info["split"]),
+    ]
     return pipeline(
         t, train, held_out, info, fixed=train_fixed, text=True, streams=streams, identity=identity
     )

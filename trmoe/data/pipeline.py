@@ -21,7 +21,7 @@ import torch
 
 from trmoe.data.evalsets import bits_per_byte, scored_tokens
 from trmoe.data.sampler import WindowSampler
-from trmoe.errors import UserError
+from trmoe.errors import UserError, differences
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,6 +53,7 @@ class DataPipeline:
     streams: dict = field(default_factory=dict)  # metrics.csv figure -> the stream it is computed on
     fingerprint: str = ""  # identity of the data, checked when a data cursor is loaded
     sources: dict[str, DataPipeline] = field(default_factory=dict)  # data=mixture: each source's own data
+    identity: dict[str, Any] = field(default_factory=dict)  # what the fingerprint is made of, by name
 
     def bpb(self, eval_loss: float) -> float:
         """Bits per UTF-8 byte of the held-out loss (NaN when the ids are not o200k text)."""
@@ -66,6 +67,7 @@ class DataPipeline:
             "version": STATE_VERSION,
             "source": self.info.get("source"),
             "fingerprint": self.fingerprint,
+            "identity": self.identity,  # a later mismatch names the keys that differ, with both values
             "stream": stream,
         }
 
@@ -73,12 +75,23 @@ class DataPipeline:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise UserError(f"data cursor: unknown format; this trmoe reads version {STATE_VERSION}")
         if state.get("source") != self.info.get("source") or state.get("fingerprint") != self.fingerprint:
-            raise UserError(
-                f"data cursor: the checkpoint read {state.get('source')!r} ({state.get('fingerprint')}); "
-                f"this run reads {self.info.get('source')!r} ({self.fingerprint}); resume needs the same data"
-            )
+            raise UserError(f"data cursor: {self._difference(state)}; resume needs the same data")
         if state.get("stream") is not None:
             self.train.load_state_dict(state["stream"])
+
+    def _difference(self, state: dict[str, Any]) -> str:
+        """What differs between a checkpoint's data and this run's: the named parts of the identity with both
+        values (at most four, then a count), or, for a cursor saved before they were recorded, the sources
+        and fingerprints."""
+        was, now = state.get("identity"), self.identity
+        if state.get("source") == self.info.get("source") and isinstance(was, dict) and was and now:
+            named = differences(was, now, "the checkpoint's")
+            if named:
+                return named
+        return (
+            f"the checkpoint read {state.get('source')!r} ({state.get('fingerprint')}); "
+            f"this run reads {self.info.get('source')!r} ({self.fingerprint})"
+        )
 
     def close(self) -> None:
         """Stop background readers (data=fineweb)."""

@@ -10,9 +10,11 @@ The file: `<cache_dir()>/lm_eval_tasks-<key>.json`. The key is a SHA-256 of the 
 path, and every file under it (relative path, size, mtime in ns; every file, since a YAML's `include:` may
 name one without the .yaml ending; the harness's own YAMLs include files of this folder only, 10,453
 includes in lm_eval 0.4.13): a file added, removed or edited gives a new key, so a stale index is never
-read; writing a new file deletes the older ones. An index that JSON cannot hold exactly (checked before
-writing), an lm_eval whose index entries or manager differ from the shape known here, or a cache folder that
-cannot be read or written: the harness's own indexing, as without the cache.
+read; an index naming a YAML file that no longer exists is not read either (it is built and written again,
+and the log names the cache file); writing a new file deletes the older ones. An index that JSON cannot
+hold exactly (checked before writing), an lm_eval whose index entries or manager differ from the shape
+known here, or a cache folder that cannot be read or written: the harness's own indexing, as without the
+cache.
 """
 
 from __future__ import annotations
@@ -120,7 +122,15 @@ def folder_index(root: Path) -> dict[str, Entry]:
     try:
         stored = json.loads(file.read_text())
         if stored.get("key") == key:
-            return _decode(stored["entries"])
+            index = _decode(stored["entries"])
+            # the key stands for the folder's files, but an entry is only as good as its YAML: one whose file
+            # is gone (the cache copied or edited, a path outside the folder) is never handed to the harness
+            gone = next(
+                (e.yaml_path for e in index.values() if e.yaml_path and not e.yaml_path.is_file()), None
+            )
+            if gone is None:
+                return index
+            log.info("lm_eval task index %s names %s, which no longer exists: indexed again", file, gone)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # absent, unreadable or of another shape: built again below
     index = _build(root)

@@ -123,11 +123,16 @@ def _read(source: Path) -> object:
     return array
 
 
+def embedding_digest(path: str | Path) -> str:
+    """The sha256 of the file the embedding is read from (a directory's model.safetensors)."""
+    with open(embedding_file(path), "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def embedding_record(path: str | Path, vocab_size: int) -> dict:
     """run_config.json's record of the source: its file, sha256, and the shape the tables read."""
     source = embedding_file(path)
-    with open(source, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digest = embedding_digest(source)
     width = load_embedding(source, vocab_size).shape[1]
     return {"path": str(source.resolve()), "sha256": digest, "rows": vocab_size, "width": width}
 

@@ -242,3 +242,18 @@ class GroupLRs:
         # groups by index: load_state_dict (resume, rollback) replaces an optimizer's group dicts
         groups = self._optimizer.param_groups
         return {col: (None if i is None else groups[i]["lr"]) for col, i in self._groups.items()}
+
+
+def optimizer_keys_differing(old: OptimizerConfig, new: OptimizerConfig, whose: str) -> str:
+    """The optimizer.* keys on which two optimizer configs differ, each with both values (at most four, then a
+    count): `optimizer.decay_embedding: <whose> False, this run's True`. "" when none do (the grouping then
+    follows from the model)."""
+    from omegaconf import OmegaConf
+
+    from trmoe.errors import differences
+    from trmoe.run.identity import flatten
+
+    def keys(section: OptimizerConfig) -> dict:
+        return flatten(OmegaConf.to_container(OmegaConf.structured(section), enum_to_str=True), "optimizer.")
+
+    return differences(keys(old), keys(new), whose)

@@ -25,6 +25,12 @@ class ReportCallback(Callback):
         samples = Options.samples if scaling_samples is None else scaling_samples
         where = "hydra.callbacks.report.scaling_samples"
         self.scaling = parse_scaling(DEFAULT_N, ",".join(DEFAULT_TARGETS), samples, where)
+        self.found_report: bool | None = None  # whether report.md was there when the sweep started
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from trmoe.report.build import REPORT_MD
+
+        self.found_report = (Path(str(config.hydra.sweep.dir)) / REPORT_MD).exists()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.enabled:
@@ -36,6 +42,12 @@ class ReportCallback(Callback):
         from trmoe.report.study import save_multirun_config
 
         save_multirun_config(sweep_dir, config)  # an Optuna sweep: its searched keys and study
+        # another sweep into this hydra.sweep.dir (before this one, or while it ran) wrote the report this one
+        # replaces: said, never silent (the new one reads every run in the folder, theirs included)
+        replaced = (sweep_dir / REPORT_MD).exists()
+        when = {True: "an earlier sweep", False: "a sweep that ran beside this one"}.get(
+            self.found_report, "another sweep"
+        )
 
         try:
             rep = build_report(
@@ -46,4 +58,11 @@ class ReportCallback(Callback):
             return
         for warning in rep.warnings:
             print(f"trmoe: report warning: {warning}", file=sys.stderr)
+        if replaced:
+            print(
+                f"trmoe: report warning: {sweep_dir / REPORT_MD} held the report of {when} "
+                "in this hydra.sweep.dir; replaced by this one's, which reads every run in the folder (give "
+                "each sweep its own hydra.sweep.dir)",
+                file=sys.stderr,
+            )
         print(f"trmoe: sweep report: {sweep_dir / REPORT_MD}", file=sys.stderr)

@@ -12,9 +12,9 @@
 A save writes everything into the temporary directory, fsyncs each file, writes meta.json last, fsyncs the
 directory, renames it to step_XXXXXXXX and fsyncs the parent: a kill at any instant leaves either the old set
 of checkpoints or the old set plus the new one. Only then is `latest` replaced (temporary file, fsync,
-rename) and are checkpoints beyond `keep_last` pruned, oldest first; the newest is never pruned. A load
-checks every file against meta.json (size and CRC32) first, so a truncated or corrupted checkpoint is
-reported and the previous complete one is used instead (`newest_good`).
+rename) and are checkpoints beyond `keep_last` pruned, oldest first (never those of `at_steps`); the newest
+is never pruned. A load checks every file against meta.json (size and CRC32) first, so a truncated or
+corrupted checkpoint is reported and the previous complete one is used instead (`newest_good`).
 
 The store owns its cadence (`due`, a trmoe.run.cadence.Cadence): every `every_steps` steps and the last
 step; with checkpoint.enabled=false never, and `save` refuses: such a run cannot be resumed (a rerun starts
@@ -321,6 +321,7 @@ class CheckpointStore:
             raise ValueError("a distributed run (world_size > 1) checkpoints with format dcp")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.kept_steps = frozenset(at_steps) if enabled else frozenset()  # asked for by step: never pruned
         self.format = format
         self.rank = rank
         self.world_size = world_size
@@ -611,11 +612,13 @@ class CheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints (0 = all). Each victim is renamed first, so a
-        kill during the deletion never leaves a half-deleted directory under a checkpoint's name."""
+        """Keep the newest `keep_last` complete checkpoints (0 = all) besides those of `at_steps`, which were
+        asked for by step (a ladder's branch points) and so are never pruned: counted among the newest, they
+        would silently go once keep_last newer ones exist. Each victim is renamed first, so a kill during the
+        deletion never leaves a half-deleted directory under a checkpoint's name."""
         if self.keep_last <= 0:
             return
-        dirs = self.step_dirs()
+        dirs = [(step, path) for step, path in self.step_dirs() if step not in self.kept_steps]
         for _, path in dirs[: max(0, len(dirs) - self.keep_last)]:
             doomed = path.with_name(f".{path.name}.deleting")
             os.rename(path, doomed)

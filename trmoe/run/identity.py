@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.derived import eval_windows, global_batch_tokens
 from trmoe.config.plugins import selected_plugins
 from trmoe.config.schema import GROUPS, AttentionKind, Config
+from trmoe.config.spec import route_embedding
+from trmoe.model.embedding_routing import embedding_digest
 
 ABSENT = "<absent>"
 
@@ -80,12 +82,13 @@ VOLATILE_KEYS = (
     "data_info.sources.*.eval_*",
     "data_info.sources.*.metric_streams",
     "data_info.plan.*",  # a mixture's samples and epochs per source over trainer.steps (which may change)
+    "routing.embedding",  # where the file is; its content hash (derived.route_embedding_sha256) is critical
 )
 
 
 # Keys a newer trmoe records that an older one did not: absent from a stored record, they are no difference
 # (a resume across the upgrade continues); present in both, they are compared like any other.
-ADDED_KEYS = ("data_info.*sample_sha256",)
+ADDED_KEYS = ("data_info.*sample_sha256", "derived.route_embedding_sha256")
 
 
 def _added_later(key: str, old: Any) -> bool:
@@ -173,7 +176,20 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
         # the selected plug-ins' distributions and versions (critical); only when there are any, so a run
         # without plug-ins records what it recorded before them
         **({"plugins": plugins} if plugins else {}),
+        # the routing embedding's content (critical) stands for routing.embedding (its location: volatile),
+        # so a file moved with the same bytes resumes and one with other bytes is refused
+        **_route_embedding_digest(cfg),
     }
+
+
+def _route_embedding_digest(cfg: Config) -> dict[str, str]:
+    path = route_embedding(cfg)
+    if path is None:
+        return {}
+    try:
+        return {"route_embedding_sha256": embedding_digest(path)}
+    except ValueError:  # no such file: refused by name where the embedding is read (config validation)
+        return {}
 
 
 def training_view(config: dict, derived: dict | None, data_info: dict | None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from trmoe.run.identity import (
     flatten,
     training_view,
 )
-from trmoe.run.rundir import RunDir
+from trmoe.run.rundir import RunDir, named_by
 
 log = logging.getLogger("trmoe")
 
@@ -214,7 +214,7 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
         raise UserError(
             f"run directory {where.parent} holds a different run and no complete checkpoint; "
             f"training-critical keys differ from its run_config.json:\n{diff.render()}\n"
-            "choose another run.name, or replace it: trainer.resume=never run.overwrite=true "
+            f"choose another {named_by()}, or replace it: trainer.resume=never run.overwrite=true "
             "(nothing was changed)"
         )
     batch_changes = "derived.global_batch_tokens" in diff.critical
@@ -227,7 +227,7 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
         )
         raise UserError(
             f"resume config mismatch with {where}: training-critical keys differ:\n{diff.render()}\n"
-            f"this would silently continue a different experiment; use another run.name, restore the keys "
+            f"this would silently continue another experiment; use another {named_by()}, restore the keys "
             f"{also} (nothing was changed)"
         )
     if batch_changes:
@@ -288,7 +288,7 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
             raise UserError(
                 f"run directory {run_dir} already holds a run ({', '.join(held)}); trainer.resume=never "
                 "starts from scratch: add run.overwrite=true to replace it, trainer.resume=auto to continue "
-                "it, or choose another run.name (nothing was changed)"
+                f"it, or choose another {named_by()} (nothing was changed)"
             )
         launch.overwrite = bool(held)
         return launch
@@ -311,8 +311,8 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
             if previous is None or not isinstance(previous.get("config"), dict):
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
-                    "readable run_config.json nor a complete checkpoint; choose another run.name, or replace "
-                    "it: trainer.resume=never run.overwrite=true (nothing was changed)"
+                    f"readable run_config.json nor a complete checkpoint; choose another {named_by()}, or "
+                    "replace it: trainer.resume=never run.overwrite=true (nothing was changed)"
                 )
             launch.mode = "restart"
             launch.stored_view = _stored_view(previous)

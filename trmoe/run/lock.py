@@ -31,7 +31,7 @@ from trmoe.durable import json_text, nofollow
 from trmoe.errors import RunFailed, UserError
 from trmoe.run import storage
 from trmoe.run.rundir import LOCK as LOCK_FILE
-from trmoe.run.rundir import RunDir
+from trmoe.run.rundir import RunDir, named_by
 
 log = logging.getLogger("trmoe")
 
@@ -135,7 +135,7 @@ class RunLock:
                     return
                 raise UserError(
                     f"run directory {self.run_dir} is in use by a live launch: {_describe(holder)}; "
-                    "wait for it to end or use another run.name (nothing was changed)"
+                    f"wait for it to end or use another {named_by()} (nothing was changed)"
                 ) from None
             # the file may have been removed by the holder that released it between our open and our lock:
             # then we hold a lock on a file nobody else can see; start again on the one at the path

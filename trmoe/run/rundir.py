@@ -30,6 +30,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# The key that names a run directory, for advice to choose another: run.name, or hydra.sweep.dir for a sweep's
+# job, whose directory is <sweep dir>/<job number> whatever run.name says (two sweeps into one sweep dir meet
+# in the same job directories). trmoe.train sets it for each job.
+_NAMED_BY = ["run.name"]
+
+
+def named_by(key: str | None = None) -> str:
+    """The key that names the run directory (`key`: set it, for the job that starts)."""
+    if key is not None:
+        _NAMED_BY[0] = key
+    return _NAMED_BY[0]
+
+
 RUN_CONFIG = "run_config.json"
 STATUS = "status.json"
 LOG = "train.log"

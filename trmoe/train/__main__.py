@@ -5,7 +5,8 @@ directory, so a bad config or input exits with one line and code 2, leaving noth
 
 In a sweep (--multirun, or an experiment=<grid>) a failed job does not stop the others: it leaves
 <job dir>/status.json with its error line (the sweep report lists it as failed) and the process exits 1
-after the last job.
+after the last job; an Optuna search in which every trial failed too (its report written, one line naming
+the trials, where the sweeper itself would end in a traceback).
 """
 
 # ruff: noqa: E402  (the Ctrl-C handler of the start-up is installed before the slow imports)
@@ -43,10 +44,12 @@ import trmoe.config.schema  # noqa: F401  (registers the schemas before Hydra co
 from trmoe.config.resolve import compose_error, to_config
 from trmoe.errors import RunFailed, UserError
 from trmoe.run import status, storage
+from trmoe.run.rundir import named_by
 from trmoe.run.signals import Preempted, hand_over
 
 _task_started = False
 _failed_jobs: list[str] = []  # sweep jobs of this process that failed (multirun)
+_search: dict = {}  # an Optuna search's Hydra config, kept by its first failed trial
 
 
 def _remove_empty_dirs(path: Path) -> None:
@@ -73,6 +76,9 @@ def _app(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     if "optuna" in str(hc.sweeper.get("_target_", "")).lower() and not value == value:  # NaN: failed
         run_dir = Path(hc.runtime.output_dir)
+        from trmoe.report.study import search_config
+
+        _search.setdefault("hydra", search_config(hc, run_dir.parent))  # should every trial fail
         record = status.read_status(run_dir) or {}
         line = record.get("error") or "the objective (final held-out loss) is not finite: the trial diverged"
         if not record.get("error"):
@@ -88,6 +94,7 @@ def _job(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sweeping = hc.mode == RunMode.MULTIRUN
+    named_by("hydra.sweep.dir" if sweeping else "run.name")  # the key the advice names to choose another dir
     try:
         checked = to_config(cfg)  # a bad config is answered before the training stack (torch) is imported
         if checked.ladder.name is not None:  # a ladder's job: its stable run and a branch per budget
@@ -121,6 +128,7 @@ def _job(cfg: DictConfig) -> float:
             return _sweep_job_failed(run_dir, e)
         raise
     finally:
+        named_by("run.name")  # (a later train() in this process outside a sweep)
         # the process group of a torchrun/submitit job ends with the job (a basic-launcher sweep reuses
         # this process for the next one); only a job that got as far as loading the runtime can have one
         if "trmoe.runtime.distributed" in sys.modules:
@@ -162,9 +170,23 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
     if status.read_status(run_dir) is None:  # failed before the loop created the run's records (bad config)
         run_dir.mkdir(parents=True, exist_ok=True)
         status.write_status(run_dir, status.FAILED, error=line, overrides=list(hc.overrides.task))
-    print(f"trmoe: sweep job {hc.job.num} failed: {line}", file=sys.stderr)
+    # a refusal's diff and advice follow its first line (status.json and the summary keep that line only)
+    said = str(exc).strip() if isinstance(exc, UserError) and str(exc).strip() else line
+    print(f"trmoe: sweep job {hc.job.num} failed: {said}", file=sys.stderr)
     _failed_jobs.append(f"{run_dir}: {line}")
     return float("nan")
+
+
+def _no_trial_left(e: Exception) -> bool:
+    """An Optuna search in which every trial failed (the sweeper's ValueError from `study.best_trial`): its
+    report and one line naming the trials (trmoe.report.study.report_failed_search); exit 1, as any sweep
+    with a failed job."""
+    from trmoe.report.study import report_failed_search
+
+    if "hydra" not in _search or not _failed_jobs or "No trials are completed" not in str(e):
+        return False
+    report_failed_search(_search["hydra"], [Path(job.split(": ", 1)[0]).name for job in _failed_jobs])
+    return True
 
 
 def _precheck(argv: list[str]) -> None:
@@ -225,6 +247,7 @@ def _main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, _previous_sigint)  # from here on Ctrl-C is a KeyboardInterrupt
     _task_started = False
     _failed_jobs.clear()
+    _search.clear()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "trmoe.train", *argv]
     try:
@@ -254,6 +277,8 @@ def _compose_and_run(argv: list[str]) -> int:
             return 2
         raise
     except Exception as e:
+        if _no_trial_left(e):
+            return 1
         if user_asked or _task_started:  # a failure of the job itself keeps its traceback
             raise
         if _is_composition_error(e):  # before OSError: Hydra's missing-option error is an IOError too

@@ -43,7 +43,7 @@ import torch
 
 from trmoe.config.schema import Config, InitState
 from trmoe.config.spec import model_spec
-from trmoe.errors import UserError
+from trmoe.errors import UserError, shape_difference
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
     TORCH_PAYLOAD,
@@ -55,7 +55,7 @@ from trmoe.run.checkpoint import (
     model_shapes,
 )
 from trmoe.run.find import find_checkpoint
-from trmoe.run.identity import ABSENT
+from trmoe.run.rundir import named_by
 from trmoe.train.preflight import meta_model, stored_config
 
 log = logging.getLogger("trmoe")
@@ -271,10 +271,9 @@ def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
     except CheckpointError as e:
         raise UserError(f"{KEY}: {e} (nothing was written)") from None
     if old != new:
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} here {new.get(changed[0], ABSENT)}"
+        count, example = shape_difference(old, new, "the parent's")
         raise UserError(
-            f"{KEY}={source.path}: another model shape ({len(changed)} tensors differ, e.g. {example}); "
+            f"{KEY}={source.path}: another model shape ({count} tensors differ, e.g. {example}); "
             "allowed: a parent whose model.* builds the same tensors (nothing was written)"
         )
     _check_router_state(source, cfg, new)
@@ -293,7 +292,8 @@ def _check_same_parent(source: InitSource, recorded: Any) -> None:
         raise UserError(
             f"{KEY}={source.path}: not the parent this run started from (step {recorded.get('step')}, "
             f"content {then[:12]} then; step {source.step}, content {now[:12]} now); allowed: the parent it "
-            "started from (restore it), or another run.name for a new run from this one (nothing was written)"
+            f"started from (restore it), or another {named_by()} for a new run from this one (nothing was "
+            "written)"
         )
 
 
@@ -301,7 +301,7 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
     """What init_state=optimizer|branch needs from the parent: an optimizer state of the same groups, and for
     a branch a train state, a later trainer.steps and the same tokens per step."""
     from trmoe.config.derived import eval_windows, global_batch_tokens, held_out_change
-    from trmoe.optim.build import group_layout
+    from trmoe.optim.build import group_layout, optimizer_keys_differing
 
     info, state, t = source.info, source.state.value, cfg.trainer
     if source.kind == "converted":
@@ -313,9 +313,12 @@ def _check_carried(source: InitSource, cfg: Config, model: torch.nn.Module, worl
     if stored is None or group_layout(meta_model(stored), stored.optimizer) != group_layout(
         model, cfg.optimizer
     ):
+        # name the keys (both may be adamw: a preset's grouping rules differ, not optimizer.name)
+        keys = stored and optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the parent's")
+        keys = keys or ("model.* differs" if stored else "its config is not one this trmoe reads")
         raise UserError(
             f"trainer.init_state={state}: the optimizer of {source.path} groups the parameters otherwise "
-            f"(optimizer.* differs); allowed: weights, or the parent's optimizer.name"
+            f"({keys}); allowed: weights, or the parent's optimizer settings"
         )
     if not source.branch:
         return

@@ -14,12 +14,11 @@ from omegaconf import OmegaConf
 
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
-from trmoe.errors import UserError
+from trmoe.errors import UserError, shape_difference
 from trmoe.model.transformer import TRMoETransformer
-from trmoe.optim.build import group_layout
+from trmoe.optim.build import group_layout, optimizer_keys_differing
 from trmoe.optim.schedule import build_schedules, check_extension
 from trmoe.run.checkpoint import CheckpointError, CheckpointInfo, model_shapes
-from trmoe.run.identity import ABSENT
 from trmoe.run.launch import Launch
 from trmoe.train.prepare import freeze_scheduled_gates
 
@@ -68,15 +67,14 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
     model = meta_model(cfg)
     new = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if old != new:
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        example = f"{changed[0]}: {old.get(changed[0], ABSENT)} -> {new.get(changed[0], ABSENT)}"
+        count, example = shape_difference(old, new, "the checkpoint's")
         if forced:
             raise UserError(
-                f"trainer.force_resume=true cannot change the model's tensors: {len(changed)} differ from "
+                f"trainer.force_resume=true cannot change the model's tensors: {count} differ from "
                 f"{info.path} (e.g. {example}) (nothing was changed)"
             )
         raise UserError(
-            f"checkpoint {info.path} does not fit this model: {len(changed)} tensors differ "
+            f"checkpoint {info.path} does not fit this model: {count} tensors differ "
             f"(e.g. {example}); resume it with the trmoe version that wrote it (nothing was changed)"
         )
     stored = stored_config(info.meta) if forced else None
@@ -94,10 +92,11 @@ def _check_shapes(info: CheckpointInfo, cfg: Config, *, forced: bool) -> None:
         was = old_groups[first][0] if first < len(old_groups) else "none"
         now = new_groups[first][0] if first < len(new_groups) else "none"
         what = f"{was} -> {now}" if was != now else f"{was} holds other parameters"
+        keys = optimizer_keys_differing(stored.optimizer, cfg.optimizer, "the checkpoint's")
         raise UserError(
             f"trainer.force_resume=true cannot change how the optimizer groups the parameters (its saved "
             f"state loads group by group): {len(old_groups)} groups in {info.path}, {len(new_groups)} now; "
-            f"group {first}: {what} (nothing was changed)"
+            f"group {first}: {what}{f' ({keys})' if keys else ''} (nothing was changed)"
         )
 
 

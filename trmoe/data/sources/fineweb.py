@@ -68,7 +68,12 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         f"the first windows of the training documents of {where} (training samples 0.., not held out)",
         f"the first windows of the held-out documents of {where} (content-hash rule, disjoint from training)",
     )
-    identity = [source.fingerprint, d.eval_fraction, d.split_seed, d.text_field]
+    identity = [
+        ("stream", source.fingerprint),
+        ("data.eval_fraction", d.eval_fraction),
+        ("data.split_seed", d.split_seed),
+        ("data.text_field", d.text_field),
+    ]
     return pipeline(
         t, train, held_out, info, fixed=train_fixed, text=True, streams=streams, identity=identity
     )

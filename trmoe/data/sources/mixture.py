@@ -222,6 +222,15 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
             ]
         ),
         sources=parts,
+        identity={  # what the fingerprint is made of, by name, so a mismatch at resume says what differs
+            "data.sources (in order)": names,
+            **{f"data.sources.{n}.weight (normalised)": w for n, w in zip(names, weights.start, strict=True)},
+            **{f"data.sources.{n}.weight_final": w for n, w in zip(names, weights.final, strict=True)},
+            "data.mixture_ramp_start": weights.ramp_start,
+            "data.mixture_ramp_end": weights.ramp_end,
+            "samples per step": samples_per_step,
+            **{f"data.sources.{n}: {k}": v for n in names for k, v in parts[n].identity.items()},
+        },
     )
     return data
 

@@ -24,7 +24,12 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         "training samples 0.. of the random stream (the first steps' batches)",
         "an independent random stream (seed + 1000003); bpb is NaN: random ids encode no text",
     )
-    identity = ["random", vocab_size, t.seq_len, t.seed]
+    identity = [
+        ("source", "random"),
+        ("model.vocab_size", vocab_size),
+        ("trainer.seq_len", t.seq_len),
+        ("trainer.seed", t.seed),
+    ]
     return pipeline(t, train, held_out, info, fixed=train, text=None, streams=streams, identity=identity)
 
 

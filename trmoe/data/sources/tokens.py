@@ -175,7 +175,11 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         f"the first windows of {name} in file order (training data, not held out)",
         f"the first windows of {eval_name} (held-out documents)",
     )
-    identity = [split["train"]["sha256"], split["eval"] and split["eval"]["sha256"], split.get("split_token")]
+    identity = [
+        ("training shard sha256", split["train"]["sha256"]),
+        ("held-out shard sha256", split["eval"] and split["eval"]["sha256"]),
+        ("split token", split.get("split_token")),
+    ]
     return pipeline(
         t, train, held_out, info, fixed=train_fixed, text=is_text, streams=streams, identity=identity
     )
