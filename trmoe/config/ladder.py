@@ -164,11 +164,13 @@ def _check_keys_it_sets(cfg: Config) -> None:
         )
 
 
-def plan(cfg: Config, tokens_per_step: int, rung: int | None = None) -> LadderPlan:
+def plan(cfg: Config, tokens_per_step: int, rung: int | None = None, *, job: bool = True) -> LadderPlan:
     """The budgets of rung `rung` (default ladder.rung) in steps; a UserError when two budgets meet at one
-    step or a branch point is not after the warmup."""
+    step or a branch point is not after the warmup. `job`: `cfg` is a job's own config, whose keys the ladder
+    sets per run must be unset (False: one of the runs the ladder made, which sets them)."""
     lad = cfg.ladder
-    _check_keys_it_sets(cfg)
+    if job:
+        _check_keys_it_sets(cfg)
     rung = lad.rung if rung is None else rung
     counts = reference_counts(cfg, rung)
     n = counts.active - counts.embedding
@@ -229,7 +231,7 @@ def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | No
         "seed": cfg.trainer.seed,
         "role": "branch" if branch else "stable",
         "budget_tokens": cfg.trainer.steps * tokens_per_step if branch else None,
-        "budgets": [b.tokens for b in plan(cfg, tokens_per_step).budgets],  # the job's planned budgets
+        "budgets": [b.tokens for b in plan(cfg, tokens_per_step, job=False).budgets],  # the job's budgets
         "parent_run": parent_run,
         "parent_step": parent["step"] if branch else None,
         "sweep": sweep_dir,

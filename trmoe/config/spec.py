@@ -37,6 +37,20 @@ def route_embedding(cfg: Config) -> str | None:
     return str(Path(cfg.routing.embedding).expanduser().absolute())
 
 
+def route_embedding_sha256(cfg: Config) -> str | None:
+    """The sha256 of the routing embedding's file (what a resume compares: its place may change), or None
+    when no strategy reads one or the file is not there (refused by name where it is read)."""
+    path = route_embedding(cfg)
+    if path is None:
+        return None
+    from trmoe.model.embedding_routing import embedding_digest  # numpy only, and only for these strategies
+
+    try:
+        return embedding_digest(path)
+    except ValueError:
+        return None
+
+
 def mup_fields(cfg: Config) -> dict:
     """The ModelSpec's muP fields (trmoe.model.mup): the width multipliers over the base shape; the shared
     and routed bases default to their widths scaled by mup_base_width / hidden_size (multiplier m_d)."""

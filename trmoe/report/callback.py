@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 class ReportCallback(Callback):
@@ -66,3 +66,19 @@ class ReportCallback(Callback):
                 file=sys.stderr,
             )
         print(f"trmoe: sweep report: {sweep_dir / REPORT_MD}", file=sys.stderr)
+
+
+def report_failed_search(hydra_cfg: dict, trials: list[str]) -> None:
+    """An Optuna search in which every trial failed: the sweeper asks its study for the best trial and gets
+    optuna's ValueError ("No trials are completed yet"), and Hydra skips the report callback. Instead: the
+    sweep's report (which lists each trial as failed) and one line naming the trials (docs/reliability.md)."""
+    cfg = OmegaConf.create(hydra_cfg)
+    report = (cfg.get("callbacks") or {}).get("report") or {}
+    ReportCallback(**{k: v for k, v in report.items() if k != "_target_"}).on_multirun_end(
+        OmegaConf.create({"hydra": cfg})
+    )
+    print(
+        f"trmoe: every trial of the search failed (trials {', '.join(trials)}: each one's line is above), so "
+        f"there is no best trial; the sweep's report is in {cfg.sweep.dir}",
+        file=sys.stderr,
+    )

@@ -5,7 +5,6 @@ them as arms of a grid."""
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,28 +63,10 @@ def load_study(sweep_dirs: list[Path]) -> Study | None:
 
 def search_config(hc, sweep_dir: Path) -> dict:
     """An Optuna search's Hydra config as a trial saw it, resolved then (its sweep.dir may name the time),
-    for the report should every trial fail (`report_failed_search`)."""
+    for the report should every trial fail (trmoe.report.callback.report_failed_search)."""
     try:
         hydra_cfg = OmegaConf.to_container(hc, resolve=True)
     except Exception:  # a key that resolves only inside Hydra: the report needs the sweeper's keys only
         hydra_cfg = OmegaConf.to_container(hc, resolve=False)
     hydra_cfg["sweep"] = {**hydra_cfg.get("sweep", {}), "dir": str(sweep_dir)}
     return hydra_cfg
-
-
-def report_failed_search(hydra_cfg: dict, trials: list[str]) -> None:
-    """An Optuna search in which every trial failed: the sweeper asks its study for the best trial and gets
-    optuna's ValueError ("No trials are completed yet"), and Hydra skips the report callback. Instead: the
-    sweep's report (which lists each trial as failed) and one line naming the trials (docs/reliability.md)."""
-    from trmoe.report.callback import ReportCallback
-
-    cfg = OmegaConf.create(hydra_cfg)
-    report = (cfg.get("callbacks") or {}).get("report") or {}
-    ReportCallback(**{k: v for k, v in report.items() if k != "_target_"}).on_multirun_end(
-        OmegaConf.create({"hydra": cfg})
-    )
-    print(
-        f"trmoe: every trial of the search failed (trials {', '.join(trials)}: each one's line is above), so "
-        f"there is no best trial; the sweep's report is in {cfg.sweep.dir}",
-        file=sys.stderr,
-    )

@@ -24,8 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.derived import eval_windows, global_batch_tokens
 from trmoe.config.plugins import selected_plugins
 from trmoe.config.schema import GROUPS, AttentionKind, Config
-from trmoe.config.spec import route_embedding
-from trmoe.model.embedding_routing import embedding_digest
+from trmoe.config.spec import route_embedding_sha256
 
 ABSENT = "<absent>"
 
@@ -183,13 +182,8 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
 
 
 def _route_embedding_digest(cfg: Config) -> dict[str, str]:
-    path = route_embedding(cfg)
-    if path is None:
-        return {}
-    try:
-        return {"route_embedding_sha256": embedding_digest(path)}
-    except ValueError:  # no such file: refused by name where the embedding is read (config validation)
-        return {}
+    digest = route_embedding_sha256(cfg)
+    return {} if digest is None else {"route_embedding_sha256": digest}
 
 
 def training_view(config: dict, derived: dict | None, data_info: dict | None) -> dict[str, Any]:

@@ -179,9 +179,9 @@ def _sweep_job_failed(run_dir: Path, exc: BaseException) -> float:
 
 def _no_trial_left(e: Exception) -> bool:
     """An Optuna search in which every trial failed (the sweeper's ValueError from `study.best_trial`): its
-    report and one line naming the trials (trmoe.report.study.report_failed_search); exit 1, as any sweep
+    report and one line naming the trials (trmoe.report.callback.report_failed_search); exit 1, as any sweep
     with a failed job."""
-    from trmoe.report.study import report_failed_search
+    from trmoe.report.callback import report_failed_search
 
     if "hydra" not in _search or not _failed_jobs or "No trials are completed" not in str(e):
         return False
