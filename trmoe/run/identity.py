@@ -45,6 +45,7 @@ VOLATILE_KEYS = (
     "trainer.shared_chunk_tokens",  # memory, not math
     "trainer.compile",  # execution, not math
     "trainer.compile_backend",
+    "trainer.max_hours",  # the launch's wall-time limit, not math
     "checkpoint.*",
     "guard.*",
     "telemetry.*",  # observation only

@@ -51,7 +51,7 @@ from trmoe.run import columns, signals
 from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
 from trmoe.run.rundir import TELEMETRY, RunDir
-from trmoe.runtime import env, parallel
+from trmoe.runtime import env, parallel, peak
 from trmoe.runtime.distributed import DistEnv, no_sync
 from trmoe.train import guards
 from trmoe.train.objective import Objective
@@ -126,7 +126,7 @@ class Trainer:
         self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
         self.param_counts = count_parameters(model)
         previous = (self.launch.previous or {}).get("mfu_peak")  # an earlier attempt's measured peak
-        self._peak = meters.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
+        self._peak = peak.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
         flops = flops_per_token(model.spec, self.param_counts, t.seq_len)
         self.efficiency = meters.EfficiencyMeter(device, flops, *self._peak, world_size=world)
         self.training = TrainingColumns(self.window, self.state, world)
@@ -163,7 +163,7 @@ class Trainer:
             checkpoints=self.store.enabled,
             data=self.data.info,
             metrics_columns=self.declared,
-            mfu_peak=meters.peak_record(self.device, *self._peak),
+            mfu_peak=peak.peak_record(self.device, *self._peak),
             controls={
                 "loss_backend": self.objective.loss_backend.value,
                 **self.scheduler.record(),  # optimizer groups, schedules
