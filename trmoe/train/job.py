@@ -105,7 +105,7 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     if rank != 0:
         log_handler = records.attach_rank_log(run.path, rank, early)
     try:
-        with signals.StopSignals() as stop:
+        with signals.StopSignals(within=cfg.trainer.stop_within, store=store) as stop:
             trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream)
             if init is not None:  # the parent's weights (a branch: its optimizer, step and RNG too)
                 init.apply(trainer)

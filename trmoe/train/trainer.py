@@ -241,7 +241,7 @@ class Trainer:
                 self.store.try_save(step, self._checkpoint)  # to roll back to before the first periodic one
         self._clock = time.perf_counter()
 
-    def train_step(self, step: int) -> guards.Verdict:
+    def train_step(self, step: int, stop: signals.StopSignals) -> guards.Verdict:
         """Forward, backward, clip and (per the guard's verdict) the optimizer step of `step`."""
         t, device, world = self.t, self.device, self.dist.world_size
         self.state.step = step
@@ -261,7 +261,7 @@ class Trainer:
         # a batch that an earlier rollback dropped is read (stream cursors advance) but not learned from
         for a, (inputs, targets) in enumerate(micro_batches if step not in self.guard.dropped else []):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            last = a == len(micro_batches) - 1
+            last = stop.next_micro_batch(step, a, len(micro_batches))  # (a stop too late for it: Preempted)
             with no_sync(self.ddp, sync=last) if self.ddp is not None else contextlib.nullcontext():
                 objective, sums = self.objective(inputs, targets, step_tokens, len(micro_batches), last)
                 objective.backward()
