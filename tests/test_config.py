@@ -101,6 +101,8 @@ CROSS_FIELD_ERRORS = [
     (["model.routed_width=66"], "model.routed_width=66"),
     (["model.shared_width=0", "model.routed_width=0"], "model.routed_width=0"),
     (["trainer.seq_len=4096"], "trainer.seq_len=4096"),
+    (["trainer.stop_within=0"], "trainer.stop_within=0"),
+    (["trainer.max_hours=nan"], "trainer.max_hours=nan"),
     (["routing.primary_weight=1.5"], "routing.primary_weight=1.5"),
     (["data=text"], "data.text_path"),
     (["data.eval_fraction=0"], "data.eval_fraction=0"),

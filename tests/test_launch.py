@@ -324,3 +324,41 @@ def test_a_checkpoints_dir_or_latest_pointer_of_the_wrong_kind_is_refused_at_lau
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert f"{where}: not a " in lines[0] and "Traceback" not in out.stderr
     assert not (run_dir / "metrics.csv").exists()
+
+
+@pytest.mark.subprocess
+def test_a_sigkilled_launch_is_never_left_running(tmp_path):
+    """A SIGKILL leaves status.json saying `running` (nothing can be written); once the launch has ended,
+    its lock is free (the kernel released it) and every reader of the status sees `killed`, and the file
+    is rewritten so; while a live process holds the lock, `running` stays."""
+    import signal
+
+    from helpers import drive, start
+
+    from trmoe.run import status
+
+    killed = drive("step:3:after", tmp_path, *RESUME_BASE)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "r"
+    left = json.loads((run_dir / "status.json").read_text())
+    assert left["status"] == "running" and (run_dir / ".lock").is_file()  # the dead holder's file
+    record = status.read_status(run_dir)
+    assert record["status"] == "killed" and record["running_since"] == left["time"]
+    assert "a rerun resumes from its newest complete checkpoint" in record["error"]
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "killed"
+
+    # a live holder (another process) keeps `running` running; its SIGKILL ends it
+    status.write_status(run_dir, status.RUNNING)
+    holder = start(
+        "-c",
+        "import sys, time; from trmoe.run.lock import RunLock\n"
+        f"with RunLock({str(run_dir)!r}):\n    print('held', flush=True); time.sleep(300)",
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert status.read_status(run_dir)["status"] == "running"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    assert status.read_status(run_dir)["status"] == "killed"

@@ -316,3 +316,72 @@ def test_durations_under_a_second_are_given_in_milliseconds():
     from trmoe.plan.__main__ import _duration
 
     assert (_duration(0.0068), _duration(0.25), _duration(42.0)) == ("6.8 ms", "250 ms", "42.0 s")
+
+
+# ------------------------------------------------------------------ the launch's wall-time estimate
+
+
+def test_the_wall_time_bound_is_the_planners_flops_over_the_peak():
+    """trmoe.plan.walltime: steps x tokens per step x the plan's FLOPs per token / the peak (here given)."""
+    from trmoe.plan.walltime import estimate
+
+    overrides = ["model=100m", "trainer.steps=954", "hardware.device=cpu", "hardware.peak_tflops=0.5"]
+    cfg = to_config(compose_config(*overrides))
+    wall = estimate(cfg, model_spec(cfg), torch.device("cpu"), None, cfg.trainer.steps)
+    per_token = make_plan(overrides)["flops"]["per_token"]["total"]
+    assert wall.flops_per_token == per_token
+    assert wall.seconds == pytest.approx(954 * global_batch_tokens(cfg.trainer, 1) * per_token / 0.5e12)
+    assert wall.source == "hardware.peak_tflops"
+
+
+def test_experiment_routing_ablation_on_a_cpu_is_refused_in_one_line_with_its_estimate(tmp_path):
+    """The slip of issue 46: the full grid (100m arms, 1M tokens a step) where its _smoke was meant. Every
+    job is estimated before any starts; the sweep is refused before Hydra writes its folder."""
+    import re
+    import time
+
+    started = time.perf_counter()
+    result = cli(["experiment=routing_ablation", "hardware.device=cpu"], cwd=tmp_path)
+    took = time.perf_counter() - started
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("trmoe: config error: trainer.max_hours=24: this run needs at least "), line
+    assert "954 steps x 1,048,576 tokens" in line and "measured 1024^3 float32 GEMM" in line
+    assert re.search(r"at least \d+ d ", line)  # days of work, on any CPU this suite runs on
+    assert re.search(r"trainer\.max_hours=\d+ \(null: no limit\) to accept it", line)
+    assert line.endswith("nothing was launched") and "[sweep job 0: " in line
+    assert list(tmp_path.rglob("*")) == []
+    # one step of it takes hours here: a refusal before training is orders of magnitude below that
+    assert took < 120, took
+
+
+def test_a_single_run_over_the_limit_is_refused_and_the_named_override_accepts_it(tmp_path):
+    """A run refused in one line (exit 2, nothing written) names the trainer.max_hours that accepts it; that
+    launch runs, and its train.log holds the estimate it logged before step 1."""
+    import re
+
+    tiny = ["model=tiny", "trainer.steps=2", "trainer.micro_batch=2", "trainer.seq_len=32", "run.name=r"]
+    refused = cli([*tiny, "hardware.device=cpu", "trainer.max_hours=1e-9"], cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "trainer.max_hours=1e-09: this run needs at least" in refused.stderr
+    assert list(tmp_path.rglob("*")) == []
+    accept = re.search(r"(trainer\.max_hours=\d+) \(null: no limit\)", refused.stderr).group(1)
+    done = cli([*tiny, "hardware.device=cpu", accept], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "runs" / "r" / "train.log").read_text()
+    before_step_1 = log.split("step 1", 1)[0] if "step 1" in log else log
+    assert re.search(r"estimated wall time: at least .* on this cpu \(2 steps x 64 tokens", before_step_1)
+
+
+def test_max_hours_null_is_no_limit_and_zero_is_refused(tmp_path):
+    from trmoe.plan.walltime import check_config
+
+    for value, limited in (("null", False), ("24", True)):  # (150 steps of 1,024 tokens: within 24 h)
+        cfg = to_config(compose_config("model=100m", "hardware.device=cpu", f"trainer.max_hours={value}"))
+        assert (check_config(cfg) is not None) == limited
+    bad = cli(["trainer.max_hours=0"], cwd=tmp_path)
+    assert bad.returncode == 2 and "trainer.max_hours=0" in bad.stderr and "null for no limit" in bad.stderr
+    assert list(tmp_path.rglob("*")) == []

@@ -272,3 +272,28 @@ def test_telemetry_csv_continues_on_resume(tmp_path):
     assert keys(run_dir) == keys(full)
     early = [line for line in lines(full) if line.split(",")[0] in ("step", "1", "2")]
     assert early == [line for line in lines(run_dir) if line.split(",")[0] in ("step", "1", "2")]
+
+
+@pytest.mark.subprocess
+def test_a_stop_in_a_step_too_long_for_the_bound_drops_it_and_keeps_the_last_checkpoint(tmp_path):
+    """A real SIGTERM in step 6 of 8 micro-batches, with trainer.stop_within so short that finishing the step
+    would overrun it: the run ends at the next micro-batch boundary without a checkpoint, exit 143, saying
+    the checkpoint it keeps (step 4); status.json says preempted at step 5; a rerun resumes from step 4 and
+    ends as the uninterrupted run."""
+    accum = ("trainer.grad_accum=8", "trainer.micro_batch=1")
+    baseline = tmp_path / "baseline" / "r"
+    train_in_process(baseline, *accum)
+    stopped = _drive("signal:6:TERM", tmp_path / "stopped", *accum, "trainer.stop_within=0.001")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
+    assert "SIGTERM received: stopping within 0.001 s" in stopped.stderr
+    said = "step 6 would have ended past half of trainer.stop_within=0.001 s, so it was dropped without a "
+    kept = "checkpoint; kept: the checkpoint of step 4, which a rerun resumes (step 5 is trained again)"
+    assert said + kept in stopped.stderr
+    run_dir = tmp_path / "stopped" / "runs" / "r"
+    checkpoints = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert checkpoints == ["step_00000004"]
+    recorded = json.loads((run_dir / "status.json").read_text())
+    assert recorded["status"] == "preempted" and recorded["step"] == 5
+    assert_latest_sane(run_dir)
+    train_in_process(run_dir, *accum)
+    assert_same_run(run_dir, baseline)

@@ -457,6 +457,8 @@ class TrainerConfig:
     shared_chunk_tokens: int = 0  # shared expert this many tokens at a time, recomputed in backward; 0 = off
     compile: bool = False  # torch.compile the model for training (evaluation stays eager)
     compile_backend: str = "inductor"  # torch.compile backend (inductor; aot_eager for quick checks)
+    stop_within: float = 60.0  # s a stop signal may take: a step that would overrun it is dropped
+    max_hours: float | None = 24.0  # refuse a CPU launch whose estimate (FLOPs at peak) is longer; null: any
 
 
 @dataclass

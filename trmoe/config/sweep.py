@@ -48,14 +48,20 @@ def check_launcher(cfg) -> None:
         )
 
 
-def check_jobs(jobs: list[list[str]], pick_device: Callable[..., object] | None = None) -> None:
+def check_jobs(
+    jobs: list[list[str]],
+    pick_device: Callable[..., object] | None = None,
+    wall_time: Callable[[object], object] | None = None,
+) -> None:
     """Compose and validate every job's config before Hydra writes anything. A job that does not compose
     raises a one-line UserError naming its overrides. One that composes but is invalid fails on its own (the
     other jobs run, as documented), unless every job is invalid: then nothing could run, and the sweep is
     refused in one line naming the jobs, as a single run would be (`hardware=cuda` on a CPU). A ladder's jobs
     are validated with their budgets (one per rung) and refused at the first fault, since its rungs are one
     fit. The device a job asks for is checked (by `pick_device`, trmoe.runtime.env's: the caller's, as this
-    layer loads no torch) only when the launcher runs it on this machine."""
+    layer loads no torch) only when the launcher runs it on this machine, and so is its wall time
+    (`wall_time`, trmoe.plan.walltime.check_config): one job too long for trainer.max_hours refuses the
+    sweep, since the jobs after it would wait behind it."""
     from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
@@ -87,6 +93,12 @@ def check_jobs(jobs: list[list[str]], pick_device: Callable[..., object] | None 
                 if cfg.ladder.name is not None:
                     raise UserError(f"{e} {named}") from None
                 invalid.setdefault(str(e), []).append(number)
+                continue
+            if local and wall_time is not None:
+                try:
+                    wall_time(checked)
+                except UserError as e:
+                    raise UserError(f"{e} {named}; nothing was launched") from None
     if jobs and sum(len(numbers) for numbers in invalid.values()) == len(jobs):
         line, numbers = next(iter(invalid.items()))
         others = "" if len(numbers) == len(jobs) else "; every other job is invalid too"

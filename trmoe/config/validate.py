@@ -181,6 +181,10 @@ def validate(cfg: Config) -> None:
         _fail("trainer.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
     if t.grad_clip < 0:
         _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+    if not t.stop_within > 0:  # (not >: NaN too)
+        _fail("trainer.stop_within", t.stop_within, "must be > 0 seconds")
+    if t.max_hours is not None and not t.max_hours > 0:  # (not >: NaN too)
+        _fail("trainer.max_hours", t.max_hours, "must be > 0 hours, or null for no limit")
 
     if o.lr <= 0:
         _fail("optimizer.lr", o.lr, "must be > 0")

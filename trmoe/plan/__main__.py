@@ -18,6 +18,7 @@ import sys
 from trmoe.cli import Parser, run
 from trmoe.durable import json_text
 from trmoe.errors import UserError
+from trmoe.plan.walltime import duration as _duration
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,18 +69,6 @@ def parse(argv: list[str] | None):
 
 def _bytes(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    minutes = seconds / 60
-    if minutes < 120:
-        return f"{minutes:.1f} min"
-    days, hours = divmod(seconds / 3600, 24)
-    return f"{int(days)} d {hours:.1f} h" if days else f"{hours:.1f} h"
 
 
 def _routing_rows(r: dict) -> list:

@@ -46,6 +46,8 @@ VOLATILE_KEYS = (
     "trainer.shared_chunk_tokens",  # memory, not math
     "trainer.compile",  # execution, not math
     "trainer.compile_backend",
+    "trainer.max_hours",  # the launch's wall-time limit, not math
+    "trainer.stop_within",  # how soon a stop signal ends the run, not math
     "checkpoint.*",
     "guard.*",
     "telemetry.*",  # observation only

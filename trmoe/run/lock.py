@@ -79,6 +79,25 @@ def read_holder(run_dir: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def held(run_dir: Path) -> bool:
+    """Whether a live launch holds `run_dir`'s lock. A shared, non-blocking flock of the file (not made when
+    absent: a launch that ended cleanly removed it) succeeds only when no process holds it exclusively, and
+    the kernel released a dead holder's: so a `running` status.json whose lock is free was left by a launch
+    that has ended (trmoe.run.status). Within the holder's own process the answer is True too (flock is per
+    open file description)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)  # (drops the shared lock: a launch starting now takes it)
+    return False
+
+
 class RunLock:
     """Context manager: hold `<run_dir>/.lock` while the launch lives; UserError (exit 2, nothing written)
     if another live launch holds it. Released (and the file removed) on exit; after a kill the file stays

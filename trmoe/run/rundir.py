@@ -3,7 +3,7 @@
     <run dir>/
       .hydra/                 config.yaml, hydra.yaml, overrides.yaml (written by trmoe, after validation)
       run_config.json         what the run is: config, model, data, attempts (records.write_run_config)
-      status.json             running | finished | failed | preempted, with the error line (status.py)
+      status.json             running | finished | failed | preempted | killed, with its line (status.py)
       train.log               rank 0's log; logs/rank_<r>.log for the ranks > 0 of a distributed run
       metrics.csv             one row per logged step (records.StepCsv); metrics.csv.orig after a
                               column migration on resume

@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from trmoe.durable import json_text, nofollow, write_file
+from trmoe.run import lock
+from trmoe.run.rundir import LOCK as LOCK_FILE
 from trmoe.run.rundir import STATUS as STATUS_FILE
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+KILLED = "killed"  # was running, and the launch has ended without saying how (SIGKILL, OOM, a lost node)
+ENDED_UNSAID = (
+    "the launch that was running it ended without recording how (killed: SIGKILL, out of memory, a lost "
+    "node, a crash); a rerun resumes from its newest complete checkpoint"
+)
 
 
 def error_line(exc: BaseException) -> str:
@@ -49,6 +56,20 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
 
 
 def read_status(run_dir: Path) -> dict | None:
+    """status.json as its writer left it, except that `running` is read as `killed` (ENDED_UNSAID) once no
+    live launch holds the run's lock (trmoe.run.lock.held): a SIGKILL leaves no chance to write anything, so
+    a stale `running` is recognised here, as a dead holder's lock is. The file is rewritten too, under the
+    lock, so that a launch starting meanwhile (which writes `running` only once it holds it) is not undone.
+    Where flock holds within one node only (Lustre -o localflock, NFS -o nolock: trmoe.run.lock), a reader on
+    another node reads a live run as killed too; the run's own final status still replaces it."""
+    record = _read(run_dir)
+    if isinstance(record, dict) and record.get("status") == RUNNING and not lock.held(run_dir):
+        record = {**record, "status": KILLED, "error": ENDED_UNSAID, "running_since": record.get("time")}
+        _settle_killed(run_dir, record)
+    return record
+
+
+def _read(run_dir: Path) -> dict | None:
     try:
         with open(run_dir / STATUS_FILE, opener=nofollow) as f:  # (a link: no status of this run)
             return json.loads(f.read())
@@ -56,13 +77,39 @@ def read_status(run_dir: Path) -> dict | None:
         return None
 
 
+def _settle_killed(run_dir: Path, record: dict) -> None:
+    """Rewrite a stale `running` status.json as `record`, holding the run's lock file exclusively meanwhile
+    (not when there is none, or a launch has taken it since; nothing if the directory is read-only)."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return  # no lock file: the reader's answer is the record; the next launch writes its own status
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # a launch may have come and gone since the check (its own status, its lock file removed): only the
+        # same stale record, under the lock file still at the path, is rewritten
+        now = _read(run_dir)
+        stale = (RUNNING, record["running_since"])
+        same = isinstance(now, dict) and (now.get("status"), now.get("time")) == stale
+        if not same or not os.path.samestat(os.fstat(fd), os.stat(run_dir / LOCK_FILE)):
+            return
+        fields = {k: v for k, v in record.items() if k not in ("status", "time")}
+        write_status(run_dir, KILLED, **fields)
+    except OSError:
+        pass  # a launch holds it now, or the disk refuses: status.json stays, the answer above holds
+    finally:
+        os.close(fd)
+
+
 def settle_complete(run_dir: Path, step: int, meta: dict) -> str:
     """The status of a run relaunched whose newest checkpoint is its last step (nothing to train), written
     so that status.json, the log and the report say one thing; returns the log line. `meta`: that
     checkpoint's meta.json.
 
-    Killed after its final checkpoint before it said so (no status, running), or failed after it was saved
-    (a tracker, a downstream evaluation, closing a file): it finished. A checkpoint a guard's halt saved
+    Killed after its final checkpoint before it said so (no status, running, killed), or failed after it was
+    saved (a tracker, a downstream evaluation, closing a file): it finished. A checkpoint a guard's halt saved
     (meta `halted`; unknown in checkpoints written before it was recorded) stays failed, and the line says
     so rather than "complete"."""
     from trmoe.durable import number
@@ -77,7 +124,7 @@ def settle_complete(run_dir: Path, step: int, meta: dict) -> str:
             f"{run_dir}: its final checkpoint (step {step}) was saved by the failure it records ({error}): "
             "nothing to retrain, it stays failed (run.overwrite=true trains it again)"
         )
-    if said in (None, RUNNING, FAILED):
+    if said in (None, RUNNING, KILLED, FAILED):
         write_status(run_dir, FINISHED, final_eval_loss=final)
     if said == FAILED:
         return (

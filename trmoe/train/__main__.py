@@ -211,7 +211,7 @@ def _precheck(argv: list[str]) -> None:
         return  # only a grid (experiment=...) or a search switches to a sweep by itself
     jobs, multirun = sweep_jobs(args.overrides, cli_multirun=args.multirun)
     if args.multirun or multirun:
-        check_jobs(jobs, pick_device=_pick_device)
+        check_jobs(jobs, pick_device=_pick_device, wall_time=_wall_time)
 
 
 def _pick_device(name: str, *, label: str):
@@ -219,6 +219,13 @@ def _pick_device(name: str, *, label: str):
     from trmoe.runtime.env import pick_device
 
     return pick_device(name, label=label)
+
+
+def _wall_time(cfg) -> None:
+    """trmoe.plan.walltime.check_config (torch): a job estimated above trainer.max_hours on a CPU."""
+    from trmoe.plan.walltime import check_config
+
+    check_config(cfg)
 
 
 def _check_equals(overrides: list[str]) -> None:

@@ -1,8 +1,8 @@
 """One training job around a Trainer: from the composed config to a finished, failed or preempted run.
 
     the run's lock -> config -> device, model spec, ranks -> the launch decision (reads only) -> pre-flight
-           checks (controls, trackers, downstream tasks) -> data (its identity checked against the run's)
-           -> the memory check -> the launch's writes, status "running", logs
+           checks (controls, wall time on a CPU, trackers, downstream tasks) -> data (its identity checked
+           against the run's) -> the memory check -> the launch's writes, status "running", logs
            -> Trainer (builds, writes nothing) -> run_record.announce (log lines, run_config.json)
            -> with the Trainer (its files open) the loop (trmoe.train.loop) -> status "finished" |
               "preempted" | "failed"
@@ -27,6 +27,7 @@ from trmoe.config.resolve import to_config
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
 from trmoe.data.build import build_data
+from trmoe.plan import walltime
 from trmoe.run import launch, records, signals, status, storage, trackers
 from trmoe.run import lock as runlock
 from trmoe.run.checkpoint import CheckpointStore, read_pointer
@@ -76,6 +77,9 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
             log.info("%s", status.settle_complete(run.path, plan.start_step, plan.checkpoint.meta))
         return plan.final_eval_loss
     check_backends(cfg, device)  # loss backend and compile backend: before anything is written
+    wall = walltime.estimate(cfg, spec, device, amp_dtype, cfg.trainer.steps - plan.start_step)
+    walltime.check(cfg, wall)  # days of CPU work (a forgotten _smoke): refused before anything is written
+    log.info("estimated wall time: %s", wall.line())
     trackers.check_installed(cfg.logger)  # a chosen tracker's package: before anything is written
     downstream = Downstream(cfg)  # lm-eval and its tasks (downstream.tasks): before anything is written
     data = build_data(cfg, spec.vocab_size, device=device, world_size=dist_env.world_size)
@@ -101,7 +105,7 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     if rank != 0:
         log_handler = records.attach_rank_log(run.path, rank, early)
     try:
-        with signals.StopSignals() as stop:
+        with signals.StopSignals(within=cfg.trainer.stop_within, store=store) as stop:
             trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream)
             if init is not None:  # the parent's weights (a branch: its optimizer, step and RNG too)
                 init.apply(trainer)

@@ -26,7 +26,7 @@ def loop(trainer: Trainer, stop: StopSignals) -> float:
     steps = trainer.cfg.trainer.steps
     while trainer.step < steps:
         step = trainer.step + 1
-        verdict = trainer.train_step(step)  # forward, backward, clip, guard, optimizer step
+        verdict = trainer.train_step(step, stop)  # forward, backward, clip, guard, optimizer step
         if verdict.action == guards.ROLLBACK:  # a loss spike: back to the last good checkpoint
             trainer.rollback(step, verdict.reason)
             continue

@@ -52,7 +52,7 @@ from trmoe.run.checkpoint import CheckpointStore
 from trmoe.run.launch import Launch
 from trmoe.run.profiling import StepProfiler
 from trmoe.run.rundir import TELEMETRY, RunDir
-from trmoe.runtime import env, parallel
+from trmoe.runtime import env, parallel, peak
 from trmoe.runtime.distributed import DistEnv, no_sync
 from trmoe.train import guards
 from trmoe.train.objective import Objective
@@ -126,7 +126,7 @@ class Trainer:
         self.evaluators: list[Evaluator] = [HeldOutLoss(model, data, cfg, device, amp_dtype), downstream]
         self.param_counts = count_parameters(model)
         previous = (self.launch.previous or {}).get("mfu_peak")  # an earlier attempt's measured peak
-        self._peak = meters.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
+        self._peak = peak.peak_flops(device, self.amp_dtype, cfg.hardware.peak_tflops, previous)
         flops = flops_per_token(model.spec, self.param_counts, t.seq_len)
         self.efficiency = meters.EfficiencyMeter(device, flops, *self._peak, world_size=world)
         self.training = TrainingColumns(self.window, self.state, world)
@@ -163,7 +163,7 @@ class Trainer:
             checkpoints=self.store.enabled,
             data=self.data.info,
             metrics_columns=self.declared,
-            mfu_peak=meters.peak_record(self.device, *self._peak),
+            mfu_peak=peak.peak_record(self.device, *self._peak),
             controls={
                 "loss_backend": self.objective.loss_backend.value,
                 **self.scheduler.record(),  # optimizer groups, schedules
@@ -241,7 +241,7 @@ class Trainer:
                 self.store.try_save(step, self._checkpoint)  # to roll back to before the first periodic one
         self._clock = time.perf_counter()
 
-    def train_step(self, step: int) -> guards.Verdict:
+    def train_step(self, step: int, stop: signals.StopSignals) -> guards.Verdict:
         """Forward, backward, clip and (per the guard's verdict) the optimizer step of `step`."""
         t, device, world = self.t, self.device, self.dist.world_size
         self.state.step = step
@@ -261,7 +261,7 @@ class Trainer:
         # a batch that an earlier rollback dropped is read (stream cursors advance) but not learned from
         for a, (inputs, targets) in enumerate(micro_batches if step not in self.guard.dropped else []):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            last = a == len(micro_batches) - 1
+            last = stop.next_micro_batch(step, a, len(micro_batches))  # (a stop too late for it: Preempted)
             with no_sync(self.ddp, sync=last) if self.ddp is not None else contextlib.nullcontext():
                 objective, sums = self.objective(inputs, targets, step_tokens, len(micro_batches), last)
                 objective.backward()
