@@ -563,7 +563,11 @@ def test_cli_broken_yaml_under_config_dir_and_a_model_that_cannot_fit_write_noth
         "(expected the node content, but found '<stream end>')"
     )
     # an allocation that would fail after the run directory holds its records: sized first
-    huge = cli(["model.hidden_size=65536", "model.num_layers=64", "run.name=huge"], cwd=tmp_path)
+    # (trainer.max_hours=null: the wall-time estimate, checked first, would refuse it for its days of work)
+    huge = cli(
+        ["model.hidden_size=65536", "model.num_layers=64", "run.name=huge", "trainer.max_hours=null"],
+        tmp_path,
+    )
     assert huge.returncode == 2 and "Traceback" not in huge.stderr, huge.stderr[-3000:]
     assert huge.stderr.strip().startswith(
         "trmoe: model tiny: its weights, gradients and optimizer state need"

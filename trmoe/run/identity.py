@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from trmoe.config.derived import eval_windows, global_batch_tokens
 from trmoe.config.plugins import selected_plugins
 from trmoe.config.schema import GROUPS, AttentionKind, Config
-from trmoe.config.spec import route_embedding_sha256
 
 ABSENT = "<absent>"
 
@@ -184,6 +183,8 @@ def derived_values(cfg: Config, world_size: int, amp_dtype: torch.dtype | None) 
 
 
 def _route_embedding_digest(cfg: Config) -> dict[str, str]:
+    from trmoe.config.spec import route_embedding_sha256  # with the ModelSpec: not for every run/ import
+
     digest = route_embedding_sha256(cfg)
     return {} if digest is None else {"route_embedding_sha256": digest}
 
