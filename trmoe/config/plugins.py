@@ -12,30 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from trmoe.config.optimizers import OPTIMIZERS
 from trmoe.config.schema import Config
-from trmoe.config.validate import layer_strategies
-from trmoe.data.variant import SOURCES
-from trmoe.model.routing import STRATEGY_REGISTRY
-from trmoe.registry import Registry
-
-
-def _selected(cfg: Config) -> list[tuple[Registry, str]]:
-    """Every (registry, variant) the run uses: its optimizer, its data source and a mixture's parts, and
-    every layer's routing strategy."""
-    sources = {cfg.data.source.value, *(s.source.value for s in cfg.data.sources.values())}
-    return [
-        (OPTIMIZERS, cfg.optimizer.name.value),
-        *((SOURCES, name) for name in sorted(sources)),
-        *((STRATEGY_REGISTRY, name) for name in sorted(set(layer_strategies(cfg)))),
-    ]
+from trmoe.config.validate import selected_variants
 
 
 def selected_plugins(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
     """section (optimizer, data, routing) -> variant name -> its origin's record, for every selected variant
     that is a plug-in."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for registry, name in _selected(cfg):
+    for registry, name in selected_variants(cfg):
         origin = registry.origin(name)
         if origin.plugin:
             # keyed by the config section (routing, not routing.strategy: a record's keys hold no dots)

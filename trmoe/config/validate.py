@@ -39,6 +39,7 @@ from trmoe.model.routing import (
     STRATEGY_REGISTRY,
     tuple_count,
 )
+from trmoe.registry import Registry
 
 
 def _fail(key: str, value: object, allowed: str) -> None:
@@ -317,15 +318,25 @@ def _validate_downstream(cfg: Config) -> None:
         _fail("downstream.include_path", ds.include_path, "not a directory; allowed: a folder of task YAMLs")
 
 
+def selected_variants(cfg: Config) -> list[tuple[Registry, str]]:
+    """Every (registry, variant name) the config selects: its optimizer, its data source and a mixture's
+    parts, and its routing strategies (routing.strategy and every routing.layers entry)."""
+    d, r = cfg.data, cfg.routing
+    sources = dict.fromkeys(v.value for v in (d.source, *(s.source for s in d.sources.values())))
+    strategies = dict.fromkeys(v.value for v in (r.strategy, *(e.strategy for e in r.layers)))
+    return [
+        (OPTIMIZERS, cfg.optimizer.name.value),
+        *((SOURCES, name) for name in sources),
+        *((STRATEGY_REGISTRY, name) for name in strategies),
+    ]
+
+
 def _selected_variants_load(cfg: Config) -> None:
     """Every variant the config selects is usable: a broken plug-in (its module fails to import, its
     declaration is of the wrong kind, its name or an option clashes) is one line naming it and its fault,
     before anything reads its declaration. Plug-ins the config does not select are never reported."""
-    OPTIMIZERS.get(cfg.optimizer.name)
-    for source in (cfg.data.source, *(s.source for s in cfg.data.sources.values())):
-        SOURCES.get(source)
-    for strategy in (cfg.routing.strategy, *(entry.strategy for entry in cfg.routing.layers)):
-        STRATEGY_REGISTRY.get(strategy)
+    for registry, name in selected_variants(cfg):
+        registry.get(name)
 
 
 def validate_eval_tool(tool) -> None:
