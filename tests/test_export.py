@@ -69,7 +69,7 @@ def test_hf_logits_equal_trmoe_logits(text_run, hf_model):
 def test_generate_with_the_cache_matches_trmoe(text_run, exported, hf_model):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(exported)
+    tok = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
     assert tok.padding_side == "left"  # the tokenizer config's: batched generation pads on the left
     prompts = ["The cat sat on", "Water"]
     batch = tok(prompts, return_tensors="pt", padding=True)
@@ -99,7 +99,7 @@ def test_conventions_a_user_of_transformers_expects(text_run, exported, hf_model
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(exported)
+    tok = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
     batch = tok(["The cat sat on", "Water"], return_tensors="pt", padding=True)
     caplog.clear()
     with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
@@ -124,11 +124,33 @@ def test_conventions_a_user_of_transformers_expects(text_run, exported, hf_model
 def test_tokenizer_encodes_as_trmoe(exported):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(exported)
+    tok = AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
     ours = load_o200k().encode(MULTILINGUAL, allowed_special="all")
     assert tok(MULTILINGUAL)["input_ids"] == ours
     assert tok.eos_token_id == EOS_ID and tok.convert_tokens_to_ids("<|endofprompt|>") == 200018
     assert tok.decode(ours, skip_special_tokens=False) == MULTILINGUAL
+
+
+@pytest.mark.subprocess
+def test_the_tokenizer_loads_with_no_question_and_no_remote_code(exported, tmp_path):
+    """The tokenizer is the library's own class (tokenizer_config.json names it and maps no code), so
+    PreTrainedTokenizerFast loads it with no prompt, and AutoTokenizer with trust_remote_code=True
+    (transformers 5 reads the model's config first, and that config class is the export's code) returns the
+    same class. In a fresh process with no terminal: transformers' [y/N] question would be printed there."""
+    assert "auto_map" not in json.loads((exported / "tokenizer_config.json").read_text())
+    script = f"""
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+plain = PreTrainedTokenizerFast.from_pretrained({str(exported)!r})
+auto = AutoTokenizer.from_pretrained({str(exported)!r}, trust_remote_code=True)
+assert type(plain) is type(auto) and type(auto).__module__.startswith("transformers."), type(auto)
+assert plain("The cat")["input_ids"] == auto("The cat")["input_ids"]
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in result.stdout + result.stderr
 
 
 @pytest.mark.subprocess
