@@ -21,7 +21,7 @@ from trmoe.run.checkpoint import load_checkpoint
 V, H, L, HEADS, KV, SHARED, E, IE = 1000, 64, 3, 4, 2, 96, 4, 8
 
 
-def _trmoe_model() -> TRMoETransformer:
+def _trmoe_model(routing: str = "balanced_hash_all_tuples") -> TRMoETransformer:
     """The fact sheet's conversion check (1.8): V 1,000, H 64, L 3, heads 4/2, shared 96, routed 4 x 8, K 2,
     gates on with random values, the routed scale interpolated 1.2 -> 2.0 over depth."""
     cfg = compose_config(
@@ -35,7 +35,7 @@ def _trmoe_model() -> TRMoETransformer:
         f"model.routed_width={E * IE}",
         "model.routed_scale=1.2",
         "model.routed_scale_last=2.0",
-        "routing=balanced_hash_all_tuples",
+        f"routing={routing}",
         "routing.primary_weight=0.85",
     )
     torch.manual_seed(0)
@@ -420,3 +420,107 @@ def test_a_profile_name_with_dots_and_plus_composes(tmp_path):
     assert _convert(tmp_path, ckpt).returncode == 0
     overrides = (tmp_path / "runs" / "ref" / "overrides.txt").read_text().split()
     assert to_config(compose_config(*overrides)).model.name == "reference-100m_o200k.v2+tr-b"
+
+
+# The old runner's training loop, written from the fact sheet (4.1 per step, 4.7 AdamW groups, 4.8 schedules):
+# the runner itself is not in this environment. Its parameter names map onto trmoe's by the converter's table.
+RUNNER_EXPERT = ("ffn.routed.w_in", "ffn.routed.w_out")  # .mlp.gate_proj_w / up_proj_w / down_proj_w
+RUNNER_SHARED = ("ffn.shared.w_in", "ffn.shared.w_out", "ffn.shared_gate")  # .mlp.shared_*
+
+
+def _runner_loop(model: TRMoETransformer, batches, steps: int, lr: float = 3e-4) -> list[float]:
+    """The runner's steps on `model`: six AdamW groups (betas 0.9/0.95, eps 1e-8, decay 0.1 on ndim >= 2
+    without bias/norm, the tied embedding included, the routed gate in "base"), LambdaLR from lambda(0) = 0,
+    warmup max(1, int(0.05 T)), cosine to a 10% floor, p's cosine ramp over R = max(1, int(0.5 T)) steps
+    (R <= 1: the final value), no clipping. Returns each step's mean cross-entropy."""
+    groups: dict[tuple[str, bool], list] = {}
+    for name, param in model.named_parameters():
+        kind = (
+            "expert" if name.endswith(RUNNER_EXPERT) else "shared" if name.endswith(RUNNER_SHARED) else "base"
+        )
+        decay = param.ndim >= 2 and "norm" not in name and "bias" not in name
+        groups.setdefault((kind, decay), []).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": 0.1 if decay else 0.0} for (_, decay), ps in groups.items()],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=True,
+    )
+    warmup = max(1, int(0.05 * steps))
+
+    def lr_lambda(s: int) -> float:
+        if s < warmup:
+            return s / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    ramp = max(1, int(steps * 0.5))
+    losses = []
+    for s in range(1, steps + 1):
+        p = 0.85 if ramp <= 1 else 0.5 + 0.35 * (0.5 - 0.5 * math.cos(math.pi * min(1.0, (s - 1) / ramp)))
+        for block in model.blocks:
+            block.ffn.routed.primary_weight = p
+        inputs, targets = batches(s)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model.logits(model(inputs))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("steps", [20, 23])  # 23: int and round give other ramps (p over 11 vs 12 steps)
+@pytest.mark.parametrize(
+    ("strategy", "runner_name"),
+    [("modulo_cyclic", "modulo_cyclic"), ("balanced_secondary", "modulo_balanced_secondary")],
+)
+def test_the_preset_trains_as_the_runners_own_loop(tmp_path, strategy, runner_name, steps):
+    """A converted old-runner checkpoint trained T AdamW steps by trmoe with compat=old_runner and the
+    converter's overrides only, against the runner's loop (above) from the same weights on the same batches:
+    every step's loss within 1e-5 and the final weights within 1e-5 (fp32)."""
+    import csv
+
+    from trmoe.data.build import build_data
+    from trmoe.data.pipeline import micro_batch_samples
+
+    model = _trmoe_model(strategy)
+    ckpt = _reference_checkpoint(model, routing_strategy=runner_name)
+    ckpt["step"], ckpt["args"]["steps"] = 0, steps  # weights to start a run of T steps from
+    assert _convert(tmp_path, ckpt).returncode == 0
+    run_dir = tmp_path / "runs" / "ref"
+    overrides = (run_dir / "overrides.txt").read_text().split()
+    settings = [
+        "data=random",
+        "hardware=cpu",
+        "hardware.threads=1",
+        "trainer.seq_len=16",
+        "trainer.grad_accum=1",
+    ]
+    settings += ["trainer.micro_batch=2", f"trainer.steps={steps}", "trainer.log_every=1", "run.name=ft"]
+    settings += ["trainer.eval_every=0", "checkpoint.keep_last=1"]
+    out = cli(["compat=old_runner", *overrides, *settings, f"trainer.init_from={run_dir}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with (tmp_path / "runs" / "ft" / "metrics.csv").open() as f:
+        trmoe_losses = [float(r["train_loss"]) for r in csv.DictReader(f) if int(r["step"]) >= 1]
+
+    cfg = to_config(compose_config("compat=old_runner", *overrides, *settings))
+    data = build_data(cfg, V)
+
+    def batches(step: int):
+        ((first, count),) = micro_batch_samples(step, 0, 1, 2, 1)
+        return data.train.batch(first, count)
+
+    runner = TRMoETransformer(model_spec(cfg))
+    runner.load_state_dict(load_checkpoint(run_dir)["model"])
+    runner_losses = _runner_loop(runner, batches, steps)
+    assert len(trmoe_losses) == steps
+    worst = max(abs(a - b) for a, b in zip(trmoe_losses, runner_losses, strict=True))
+    print(f"{strategy} T={steps}: largest per-step loss difference {worst:.2e}")
+    assert worst <= 1e-5, (trmoe_losses, runner_losses)
+    final = load_checkpoint(tmp_path / "runs" / "ft")["model"]
+    for name, param in runner.state_dict().items():
+        torch.testing.assert_close(final[name], param, rtol=0, atol=1e-5, msg=name)
