@@ -1,4 +1,4 @@
-"""tokenizer.*: which tokenizer file a run reads, and the model.vocab_size it implies, settled at compose time.
+"""tokenizer.*: which tokenizer file a run reads and the model.vocab_size it implies, settled at compose time.
 
 tokenizer=o200k reads no file and leaves model.vocab_size alone (200,019 by default; data=random runs set
 their own). tokenizer=bpe reads its tokenizer.json — tokenizer.path, or, when that is null and data=tokens,

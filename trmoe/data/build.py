@@ -94,8 +94,8 @@ def require_o200k_vocab(cfg: Config, vocab_size: int) -> Tokenizer:
     tokenizer, data=fineweb): refuses tokenizer=bpe, then checks the vocabulary."""
     if getattr(cfg.tokenizer.name, "value", cfg.tokenizer.name) != "o200k":
         raise UserError(
-            f"config error: tokenizer={cfg.tokenizer.name.value}: data={cfg.data.source.value} tokenizes with "
-            "o200k_base only; allowed: tokenizer=o200k, or prepare the text into shards with "
+            f"config error: tokenizer={cfg.tokenizer.name.value}: data={cfg.data.source.value} tokenizes "
+            "with o200k_base only; allowed: tokenizer=o200k, or prepare the text into shards with "
             "`python -m trmoe.data.prepare --tokenizer bpe` and train on data=tokens"
         )
     return require_text_vocab(cfg, vocab_size)

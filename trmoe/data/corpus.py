@@ -221,9 +221,9 @@ def load_corpus(
     split_seed: int = 0,
     tokenizer: Tokenizer | None = None,
 ) -> Corpus:
-    """Load and tokenize a corpus (with `tokenizer`; None = o200k_base). source "embedded" (CPython help topics; cached in-process, so the returned
-    Corpus and its read-only arrays are shared and must not be mutated) or "text" (`text_path`, resolved
-    against the current working directory)."""
+    """Load and tokenize a corpus (with `tokenizer`; None = o200k_base). source "embedded" (CPython help
+    topics; cached in-process, so the returned Corpus and its read-only arrays are shared and must not be
+    mutated) or "text" (`text_path`, resolved against the current working directory)."""
     _check_fraction(eval_fraction)
     if source == "embedded":
         # (the tokenizer objects are cached per file version: one key per tokenizer file's content)

@@ -15,7 +15,7 @@ vocabulary is checked before anything is written. `--embedded` reads data=embedd
 help topics) in place of INPUT.
 
     python -m trmoe.data.prepare corpus/ --out data/mycorpus --eval-fraction 0.01
-    python -m trmoe.data.prepare --embedded --tokenizer bpe --vocab-size 2048 --eval-fraction 0.1 --out data/emb
+    python -m trmoe.data.prepare --embedded --tokenizer bpe --vocab-size 2048 --eval-fraction 0.1 --out d/e
     python -m trmoe.data.prepare verify data/mycorpus
 
 Over 400 lines on purpose: the tool's input discovery, worker pool, signal handling

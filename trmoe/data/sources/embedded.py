@@ -1,4 +1,4 @@
-"""data=embedded: the English help texts every CPython ships (pydoc_data), tokenized in memory (tokenizer.*)."""
+"""data=embedded: the English help texts every CPython ships (pydoc_data), tokenized in memory (tokenizer)."""
 
 from __future__ import annotations
 

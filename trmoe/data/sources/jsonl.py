@@ -1,6 +1,6 @@
 """data=jsonl: documents from local JSON Lines files (data.path: a file, a folder of *.jsonl files or a glob),
-one JSON object per line, the text in its field data.text_field; tokenized in memory (tokenizer.*) and split by the
-content hash of each document, as data=text (or a held-out JSONL file, data.jsonl_eval_path)."""
+one JSON object per line, the text in its field data.text_field; tokenized in memory (tokenizer=) and split
+by the content hash of each document, as data=text (or a held-out JSONL file, data.jsonl_eval_path)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def _check_shard_against_model(shard: TokenShard, vocab_size: int, tok: Tokenize
                 "re-prepare the data"
                 if tok.path is None
                 else (
-                    f"point tokenizer.path at the tokenizer.json the shards were prepared with (not {tok.path})"
+                    "point tokenizer.path at the tokenizer.json the shards were prepared with "
+                    f"(not {tok.path})"
                 )
             )
             raise UserError(
