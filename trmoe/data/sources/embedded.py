@@ -23,6 +23,6 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
 
 VARIANT = DataSourceVariant(
     "embedded", build=build, mixture_keys=(), order=0,
-    doc="CPython's help texts (`pydoc_data`), o200k-tokenized in memory",
+    doc="CPython's help texts (`pydoc_data`), tokenized in memory (`tokenizer=`)",
     split="document content hash", sample="window of a seeded permutation (or sequential)",
 )  # fmt: skip
