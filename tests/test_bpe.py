@@ -1,7 +1,7 @@
 """tokenizer=bpe: a small byte-level BPE trained by `python -m trmoe.data.prepare --tokenizer bpe --vocab-size
 N` (trmoe.data.bpe), read by every tool: deterministic training, the shards and runs that record it, the
 model built over its vocabulary, sample / export / lm-eval / report on a run of it, and the one-line refusals
-(a bad --vocab-size, a missing file, shards of another tokenizer). Real processes' entry points, real files."""
+(a bad --vocab-size, a missing file, shards of another tokenizer). The tools' own entry points, real files."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def bpe_run(dataset, tmp_path_factory) -> Path:
 
 def test_training_is_deterministic_and_sized_exactly():
     docs = [text for _, text in embedded_documents()]
-    a, b = train_bpe(docs, VOCAB), train_bpe(list(reversed(docs))[::-1], VOCAB)
+    a, b = train_bpe(docs, VOCAB), train_bpe(list(docs), VOCAB)
     assert a == b  # same documents in the same order, same N: the same bytes
     assert train_bpe(docs, VOCAB + 1) != a
 
@@ -168,8 +168,8 @@ def test_refusals_are_one_line_and_leave_no_run(dataset, tmp_path):
     other.write_text(train_bpe([t for _, t in embedded_documents()], VOCAB + 8))
     o200k_data = tmp_path / "o200k"
     (tmp_path / "c.txt").write_text("".join(f"document {i} says something else\n\n" for i in range(300)))
-    made = cli([str(tmp_path / "c.txt"), "--out", str(o200k_data), "--workers", "0", "--eval-fraction", "0.3"],
-               tmp_path, "trmoe.data.prepare")  # fmt: skip
+    args = [str(tmp_path / "c.txt"), "--out", str(o200k_data), "--workers", "0", "--eval-fraction", "0.3"]
+    made = cli(args, tmp_path, "trmoe.data.prepare")
     assert made.returncode == 0, made.stderr
     cases = [
         (
