@@ -230,9 +230,7 @@ class ModelConfig:
     """Dimensions of the decoder and its TR-MoE FFN. Profiles: conf/model/*.yaml."""
 
     name: str = MISSING  # profile name, recorded in run_config.json
-    vocab_size: int = (
-        O200K_VOCAB  # o200k_base n_vocab (tokenizer=bpe: its own); tied embedding rows before padding
-    )
+    vocab_size: int = O200K_VOCAB  # o200k_base n_vocab (tokenizer=bpe sets its own); tied embedding rows
     vocab_pad_multiple: int = 1  # round the embedding rows up to a multiple of this (speed); 1 = no padding
     hidden_size: int = MISSING  # model width H
     num_layers: int = MISSING  # decoder blocks L
