@@ -60,7 +60,14 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         overrides.append(f"routing.embedding={tmp_path / 'embedding.npy'}")
     if group == "data" and option in SOURCES:  # a source's own example of a complete selection
         overrides += SOURCES.get(option).example
+    if (group, option) == ("tokenizer", "bpe"):  # a real tokenizer.json; model.vocab_size follows it
+        from trmoe.data.bpe import train_bpe
+
+        (tmp_path / "tokenizer.json").write_text(train_bpe(["a small corpus, a small corpus"] * 4, 260))
+        overrides.append(f"tokenizer.path={tmp_path / 'tokenizer.json'}")
     cfg = to_config(compose_config(*overrides))
+    if group == "tokenizer":
+        assert cfg.model.vocab_size == (260 if option == "bpe" else 200_019)
     spec = model_spec(cfg)
     assert spec.num_heads % spec.num_kv_heads == 0
     if group == "model":

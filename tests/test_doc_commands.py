@@ -54,6 +54,8 @@ SKIPPED = {
         "python -m trmoe.data.prepare INPUT",
     ): "a synopsis (INPUT, DIR, [optional]), not an example",
     ("docs/data.md", "python -m trmoe.data.prepare verify DIR"): "a synopsis (DIR [DIR ...]), not an example",
+    ("docs/data.md", "python -m trmoe.data.prepare --embedded --out DIR"): "a synopsis ([options]), not an "
+    "example",
     ("docs/data.md", "python -m trmoe.train data=mixture data.sources.web.weight"): "a fragment (`...`): "
     "one key changed on top of the mixture above",
     ("docs/after_training.md", "python -m trmoe.train ..."): "a fragment (`...`): keys added to a run",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trmoe.data.tokenizer import O200K_VOCAB
+from trmoe.data.tokenizer import O200K_VOCAB, Tokenizer, load_tokenizer
 from trmoe.errors import UserError
 from trmoe.model.transformer import ModelSpec, TRMoETransformer
 from trmoe.run.find import find_checkpoint
@@ -35,9 +35,36 @@ class LoadedModel:
         return self.checkpoint.parent.parent
 
     @property
+    def tokenizer_name(self) -> str:
+        """tokenizer.name as the run recorded it (a record from before the tokenizer group: o200k)."""
+        return str((self.config.get("tokenizer") or {}).get("name") or "o200k")
+
+    @property
     def text_vocab(self) -> bool:
-        """Whether the model reads o200k_base ids (text prompts can be encoded for it)."""
-        return self.spec.vocab_size == O200K_VOCAB
+        """Whether the model reads text (text prompts can be encoded for it): o200k_base ids, or the ids of
+        the tokenizer=bpe it was trained with."""
+        return self.tokenizer_name == "bpe" or self.spec.vocab_size == O200K_VOCAB
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the run read its text with (its recorded tokenizer.*): o200k_base, or its bpe
+        tokenizer.json, checked against the recorded sha256 and the model's vocabulary."""
+        if self.tokenizer_name != "bpe":
+            return load_tokenizer()
+        t = self.config.get("tokenizer") or {}
+        path, sha = t.get("path"), t.get("sha256")
+        if not path or not Path(path).is_file():
+            raise UserError(
+                f"run {self.run_dir}: its tokenizer file {path} (tokenizer=bpe, sha256 {str(sha)[:16]}...) "
+                "is missing; allowed: the run with its tokenizer.json back at that path"
+            )
+        tok = load_tokenizer("bpe", path)
+        if (sha and tok.sha256 != sha) or tok.n_vocab != self.spec.vocab_size:
+            raise UserError(
+                f"run {self.run_dir}: its tokenizer file {path} changed since the run (sha256 "
+                f"{tok.sha256[:16]}..., {tok.n_vocab} ids; recorded {str(sha)[:16]}..., "
+                f"{self.spec.vocab_size} ids); allowed: the file the run was trained with"
+            )
+        return tok
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:

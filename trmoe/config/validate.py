@@ -302,12 +302,12 @@ def _validate_downstream(cfg: Config) -> None:
             _fail("downstream.tasks", list(ds.tasks), "allowed: lm-eval task names, e.g. [arc_easy,piqa]")
     if len(set(ds.tasks)) != len(ds.tasks):
         _fail("downstream.tasks", list(ds.tasks), "names a task twice; allowed: each task once")
-    if cfg.model.vocab_size != O200K_VOCAB:
+    if cfg.model.vocab_size != O200K_VOCAB and cfg.tokenizer.name.value != "bpe":
         _fail(
             "downstream.tasks",
             list(ds.tasks),
             f"tasks are text: needs a model that reads o200k_base ids (model.vocab_size={O200K_VOCAB}, "
-            f"a text data source); this one has model.vocab_size={cfg.model.vocab_size}",
+            f"a text data source) or tokenizer=bpe; this one has model.vocab_size={cfg.model.vocab_size}",
         )
     if ds.every is not None and ds.every < 0:
         _fail("downstream.every", ds.every, "must be >= 0 (0 = at steps 0 and last only) or null")

@@ -21,7 +21,7 @@ from trmoe.data.corpus import Corpus
 from trmoe.data.evalsets import describe_streams, scored_bytes, scored_tokens
 from trmoe.data.pipeline import DataPipeline, PinnedSource, Source
 from trmoe.data.sampler import WindowSampler, eval_batches
-from trmoe.data.tokenizer import TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.data.tokenizer import Tokenizer, load_tokenizer
 from trmoe.data.variant import SOURCES
 from trmoe.errors import UserError
 
@@ -40,15 +40,17 @@ def pipeline(
     text: bool | None,
     streams: tuple[str, str],
     identity: list[tuple[str, Any]],
+    tokenizer: Tokenizer | None = None,
 ) -> DataPipeline:
     """What every builder returns: the training source, the first batches of the held-out source (the same
     at every evaluation) and of the training split (`fixed`, for eval_train_loss), what those two figures are
     computed on (`streams`: training split, held out), and the data's identity as (name, value) pairs
     (checked when a data cursor is loaded; the names let a mismatch say what differs). `text`: whether the
-    ids are o200k text, so that the held-out bytes (bpb) are counted; the info records the tokens and bytes
-    scored, unless None (ids that are no text at all: nothing recorded)."""
+    ids are text of `tokenizer` (None: o200k), so that the held-out bytes (bpb) are counted; the info
+    records the tokens and bytes scored, unless None (ids that are no text at all: nothing recorded)."""
     eval_set = eval_batches(held_out, t.micro_batch, t.eval_batches)
-    eval_bytes = scored_bytes(eval_set) if text else None
+    table = tokenizer.byte_lengths() if tokenizer is not None else None
+    eval_bytes = scored_bytes(eval_set, table) if text else None
     if text is not None:
         info = {**info, "eval_tokens_scored": scored_tokens(eval_set), "eval_bytes_scored": eval_bytes}
     return DataPipeline(
@@ -63,14 +65,40 @@ def pipeline(
     )
 
 
-def require_o200k_vocab(cfg: Config, vocab_size: int) -> None:
-    n_vocab = load_o200k().n_vocab
-    if vocab_size < n_vocab:
+def run_tokenizer(cfg: Config) -> Tokenizer:
+    """The tokenizer the run reads text with (tokenizer.*), its file checked against tokenizer.sha256 when
+    that is set (the launch filled it in; a recorded config keeps it): a file changed since is refused."""
+    t = cfg.tokenizer
+    tok = load_tokenizer(t.name, t.path)
+    if t.sha256 is not None and tok.sha256 != t.sha256:
+        raise UserError(
+            f"tokenizer file {tok.path}: sha256 {tok.sha256[:16]}... differs from tokenizer.sha256 "
+            f"{t.sha256[:16]}... (the file changed since the run recorded it); allowed: the run's own file"
+        )
+    return tok
+
+
+def require_text_vocab(cfg: Config, vocab_size: int) -> Tokenizer:
+    """The run's tokenizer, once model.vocab_size is checked to hold its ids."""
+    tok = run_tokenizer(cfg)
+    if vocab_size < tok.n_vocab:
         raise UserError(
             f"config error: model.vocab_size={vocab_size}: data={cfg.data.source.value} uses "
-            f"{TOKENIZER_NAME} "
-            f"token ids up to {n_vocab - 1}; allowed: >= {n_vocab} (or data=random)"
+            f"{tok.name} token ids up to {tok.n_vocab - 1}; allowed: >= {tok.n_vocab} (or data=random)"
         )
+    return tok
+
+
+def require_o200k_vocab(cfg: Config, vocab_size: int) -> Tokenizer:
+    """For a source that tokenizes with o200k_base only (a plug-in that builds its corpus without passing a
+    tokenizer, data=fineweb): refuses tokenizer=bpe, then checks the vocabulary."""
+    if getattr(cfg.tokenizer.name, "value", cfg.tokenizer.name) != "o200k":
+        raise UserError(
+            f"config error: tokenizer={cfg.tokenizer.name.value}: data={cfg.data.source.value} tokenizes "
+            "with o200k_base only; allowed: tokenizer=o200k, or prepare the text into shards with "
+            "`python -m trmoe.data.prepare --tokenizer bpe` and train on data=tokens"
+        )
+    return require_text_vocab(cfg, vocab_size)
 
 
 def check_one_batch(windows: int, cfg: Config, what: str) -> None:
@@ -94,9 +122,10 @@ def build_data(
     return data
 
 
-def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
+def corpus_pipeline(cfg: Config, corpus: Corpus, tokenizer: Tokenizer | None = None) -> DataPipeline:
     """The pipeline of an in-memory corpus (data=embedded, text, jsonl): windows of its training split in
-    data.order, the first windows of its held-out documents."""
+    data.order, the first windows of its held-out documents (tokenized with `tokenizer`; None = o200k)."""
+    tok = tokenizer if tokenizer is not None else load_tokenizer()
     d, t = cfg.data, cfg.trainer
     train = WindowSampler(
         corpus.train.tokens, t.seq_len, d.order.value, seed=t.seed, name=f"{corpus.name} train"
@@ -105,8 +134,8 @@ def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
     train_fixed = WindowSampler(corpus.train.tokens, t.seq_len, "sequential", name=f"{corpus.name} train")
     info = {
         **corpus.info,
-        "tokenizer": TOKENIZER_NAME,
-        "tokenizer_sha256": tokenizer_fingerprint(),
+        "tokenizer": tok.name,
+        "tokenizer_sha256": tok.sha256,
         "order": d.order.value,
         "train_windows": train.num_windows,
         "eval_windows": held_out.num_windows,
@@ -123,5 +152,13 @@ def corpus_pipeline(cfg: Config, corpus: Corpus) -> DataPipeline:
         ("split", corpus.info["split"]),
     ]
     return pipeline(
-        t, train, held_out, info, fixed=train_fixed, text=True, streams=streams, identity=identity
+        t,
+        train,
+        held_out,
+        info,
+        fixed=train_fixed,
+        text=True,
+        streams=streams,
+        identity=identity,
+        tokenizer=tok,
     )

@@ -2,7 +2,8 @@
 
 Documents are assigned to a split by a stable rule on their own text (a seeded sha256), never by their
 position in a file or token stream, so reordering or appending documents never moves a document across splits.
-Each split is the concatenation of its documents' o200k_base tokens with EOS after every document.
+Each split is the concatenation of its documents' tokens (o200k_base, or the run's tokenizer=bpe) with EOS
+after every document.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.data.tokenizer import Tokenizer, load_tokenizer
 from trmoe.errors import UserError
 
 SOURCES = ("embedded", "text")
@@ -101,20 +102,20 @@ def is_eval_document(key: str, text: str, eval_fraction: float, split_seed: int)
     return _document_hash(text, split_seed) % _BUCKETS < eval_fraction * _BUCKETS
 
 
-def _tokenize(texts: list[str]) -> np.ndarray:
-    encoded = load_o200k().encode_ordinary_batch(texts) if texts else []
+def _tokenize(texts: list[str], tok: Tokenizer) -> np.ndarray:
+    encoded = tok.encode_ordinary_batch(texts) if texts else []
     flat: list[int] = []
     for ids in encoded:
         flat.extend(ids)
-        flat.append(EOS_ID)
+        flat.append(tok.eos_id)
     tokens = np.asarray(flat, dtype=np.int32)
     tokens.flags.writeable = False
     return tokens
 
 
-def _make_split(texts: list[str]) -> Split:
+def _make_split(texts: list[str], tok: Tokenizer) -> Split:
     return Split(
-        tokens=_tokenize(texts),
+        tokens=_tokenize(texts, tok),
         documents=len(texts),
         bytes=sum(len(t.encode("utf-8")) for t in texts),
     )
@@ -128,12 +129,18 @@ def _check_fraction(eval_fraction: float) -> None:
 
 
 def build_corpus(
-    documents: Sequence[tuple[str, str]], eval_fraction: float, split_seed: int, name: str, info: dict
+    documents: Sequence[tuple[str, str]],
+    eval_fraction: float,
+    split_seed: int,
+    name: str,
+    info: dict,
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
     """Split documents by `is_eval_document`, tokenize each split (documents in order, EOS after each) and
     return the Corpus. If the rule leaves one split empty, the document text with the smallest hash moves over
-    (all copies of it), which is recorded in `info["split"]["moved"]`."""
+    (all copies of it), which is recorded in `info["split"]["moved"]`. `tokenizer`: None = o200k_base."""
     _check_fraction(eval_fraction)
+    tok = tokenizer if tokenizer is not None else load_tokenizer()
     documents = list(documents)
     if len(documents) < 2:
         raise UserError(
@@ -160,7 +167,7 @@ def build_corpus(
             )
     train_texts = [text for (_, text), e in zip(documents, is_eval, strict=True) if not e]
     eval_texts = [text for (_, text), e in zip(documents, is_eval, strict=True) if e]
-    train, evaluation = _make_split(train_texts), _make_split(eval_texts)
+    train, evaluation = _make_split(train_texts, tok), _make_split(eval_texts, tok)
     for split_name, split in (("train", train), ("eval", evaluation)):
         if split.tokens.size < 2:
             raise UserError(
@@ -174,9 +181,9 @@ def build_corpus(
         {
             "name": name,
             "documents_sha256": content.hexdigest(),
-            "tokenizer": TOKENIZER_NAME,
-            "tokenizer_sha256": tokenizer_fingerprint(),
-            "eos_id": EOS_ID,
+            "tokenizer": tok.name,
+            "tokenizer_sha256": tok.sha256,
+            "eos_id": tok.eos_id,
             "split": {
                 "rule": SPLIT_RULE,
                 "eval_fraction": float(eval_fraction),
@@ -195,14 +202,14 @@ def build_corpus(
 
 
 @functools.lru_cache(maxsize=8)
-def _embedded_corpus(eval_fraction: float, split_seed: int) -> Corpus:
+def _embedded_corpus(eval_fraction: float, split_seed: int, tok: Tokenizer) -> Corpus:
     info = {
         "source": "embedded",
         "path": None,
         "origin": "pydoc_data.topics.topics (CPython help topics), sorted by key",
         "python_version": sys.version.split()[0],
     }
-    return build_corpus(embedded_documents(), eval_fraction, split_seed, "embedded", info)
+    return build_corpus(embedded_documents(), eval_fraction, split_seed, "embedded", info, tok)
 
 
 def load_corpus(
@@ -212,13 +219,15 @@ def load_corpus(
     separator: str | None = None,
     eval_fraction: float = 0.1,
     split_seed: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
-    """Load and tokenize a corpus. source "embedded" (CPython help topics; cached in-process, so the returned
-    Corpus and its read-only arrays are shared and must not be mutated) or "text" (`text_path`, resolved
-    against the current working directory)."""
+    """Load and tokenize a corpus (with `tokenizer`; None = o200k_base). source "embedded" (CPython help
+    topics; cached in-process, so the returned Corpus and its read-only arrays are shared and must not be
+    mutated) or "text" (`text_path`, resolved against the current working directory)."""
     _check_fraction(eval_fraction)
     if source == "embedded":
-        return _embedded_corpus(float(eval_fraction), int(split_seed))
+        # (the tokenizer objects are cached per file version: one key per tokenizer file's content)
+        return _embedded_corpus(float(eval_fraction), int(split_seed), tokenizer or load_tokenizer())
     if source == "text":
         if not text_path:
             raise UserError("data.text_path: required when data.source=text (path to a UTF-8 text file)")
@@ -230,5 +239,5 @@ def load_corpus(
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "separator": separator if separator is not None else "blank lines",
         }
-        return build_corpus(documents, eval_fraction, split_seed, f"text:{path}", info)
+        return build_corpus(documents, eval_fraction, split_seed, f"text:{path}", info, tokenizer)
     raise UserError(f"data.source: must be one of {', '.join(SOURCES)}, got {source!r}")

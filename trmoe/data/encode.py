@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 
 from trmoe.data.corpus import is_eval_document
-from trmoe.data.tokenizer import EOS_ID, load_o200k
+from trmoe.data.tokenizer import load_o200k, load_tokenizer
 
 
 def encode_documents(
-    texts: list[str], eval_fraction: float, split_seed: int, encode: str = "all"
+    texts: list[str], eval_fraction: float, split_seed: int, encode: str = "all", bpe: str | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For each text: its split (the stable content-hash rule of trmoe.data.corpus), its UTF-8 byte count,
-    and its o200k ids followed by EOS. Returns (is_eval bool[n], text_bytes int64[n], lengths int64[n],
-    ids uint32[sum(lengths)]). encode="train" or "eval" tokenizes only that split's texts (the others get
-    length 0)."""
+    and its ids followed by EOS (o200k_base, or the BPE tokenizer.json at `bpe`). Returns (is_eval bool[n],
+    text_bytes int64[n], lengths int64[n], ids uint32[sum(lengths)]). encode="train" or "eval" tokenizes
+    only that split's texts (the others get length 0)."""
     is_eval = np.fromiter(
         (is_eval_document("", t, eval_fraction, split_seed) for t in texts), dtype=bool, count=len(texts)
     )
@@ -40,12 +40,13 @@ def encode_documents(
     # One process = one thread: tiktoken's encode_ordinary_batch is a thread pool around encode_ordinary, and
     # its per-document futures halve the speed on short documents (`python -m trmoe.bench data`).
     # Parallelism comes from the worker processes.
-    tokenize = load_o200k().encode_ordinary
+    tok = load_tokenizer("bpe", bpe) if bpe is not None else load_tokenizer()
+    tokenize = tok.encode_ordinary
     encoded = [tokenize(t) for t in todo]
     lengths = np.zeros(len(texts), dtype=np.int64)
     lengths[wanted] = [len(ids) + 1 for ids in encoded]
     for ids in encoded:
-        ids.append(EOS_ID)
+        ids.append(tok.eos_id)
     flat = (
         np.concatenate([np.asarray(ids, dtype=np.uint32) for ids in encoded])
         if encoded

@@ -8,13 +8,12 @@ of the text those tokens encode, which compares across tokenizers.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 
-from trmoe.data.tokenizer import load_o200k
+from trmoe.data.tokenizer import o200k_byte_lengths
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,30 +28,11 @@ STREAMS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def o200k_byte_lengths() -> np.ndarray:
-    """UTF-8 byte length of every o200k_base token id; 0 for special tokens (EOS is not text) and for
-    the ids the vocabulary leaves unassigned."""
-    enc = load_o200k()
-    lengths = np.zeros(enc.n_vocab, dtype=np.int64)
-    special = set(enc.special_tokens_set)
-    special_ids = {enc.encode_single_token(s) for s in special}
-    for token in range(enc.n_vocab):
-        if token in special_ids:
-            continue
-        try:
-            lengths[token] = len(enc.decode_single_token_bytes(token))
-        except KeyError:
-            pass
-    lengths.flags.writeable = False
-    return lengths
-
-
-def scored_bytes(batches: list[Batch]) -> int:
-    """UTF-8 bytes of the text the target tokens of `batches` encode (o200k ids). Windows of one stream do
-    not overlap in their targets, so this is the byte length of the scored text, exactly: a character split
-    across tokens counts once, in pieces."""
-    table = o200k_byte_lengths()
+def scored_bytes(batches: list[Batch], table: np.ndarray | None = None) -> int:
+    """UTF-8 bytes of the text the target tokens of `batches` encode (`table`: bytes per id of the run's
+    tokenizer; None = o200k's). Windows of one stream do not overlap in their targets, so this is the byte
+    length of the scored text, exactly: a character split across tokens counts once, in pieces."""
+    table = o200k_byte_lengths() if table is None else table
     return int(sum(int(table[y.reshape(-1).numpy()].sum()) for _, y in batches))
 
 

@@ -1,4 +1,4 @@
-"""`python -m trmoe.data.prepare INPUT --out DIR`: text -> a train/eval pair of o200k token shards.
+"""`python -m trmoe.data.prepare INPUT --out DIR`: text -> a train/eval pair of token shards.
 
 INPUT is a UTF-8 text file, a directory (every .txt, .jsonl and .parquet file below it, sorted by path) or
 a glob. Documents: blank-line separated (or --separator) in text files, one JSON object per line in .jsonl
@@ -8,7 +8,14 @@ chunks of documents with tiktoken's batch encoder; results are written in input 
 memory stays bounded and re-running on the same input gives byte-identical shards. Output files are written
 as hidden .*.partial files and renamed when complete; any error removes them.
 
+Tokenizer: o200k_base (`--tokenizer o200k`, the default), or `--tokenizer bpe --vocab-size N`: a byte-level
+BPE of N ids (trmoe.data.bpe) trained first on the training split's documents (never on held-out text),
+written beside the shards as tokenizer.json; its sha256 is in every shard index and in dataset.json. The
+vocabulary is checked before anything is written. `--embedded` reads data=embedded's documents (CPython's
+help topics) in place of INPUT.
+
     python -m trmoe.data.prepare corpus/ --out data/mycorpus --eval-fraction 0.01
+    python -m trmoe.data.prepare --embedded --tokenizer bpe --vocab-size 2048 --eval-fraction 0.1 --out d/e
     python -m trmoe.data.prepare verify data/mycorpus
 
 Over 400 lines on purpose: the tool's input discovery, worker pool, signal handling
@@ -52,7 +59,7 @@ from trmoe.data.shards import (
     read_index,
     verify_shard,
 )
-from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, load_o200k, tokenizer_fingerprint
+from trmoe.data.tokenizer import Tokenizer, load_tokenizer
 from trmoe.durable import FULL_OR_READ_ONLY, json_text, write_file
 from trmoe.errors import RunFailed, UserError, require_directory
 
@@ -293,6 +300,23 @@ class Progress:
 # ----------------------------------------------------------------------------------------------- prepare
 
 
+def _embedded_chunks() -> Iterator[tuple[tuple[int, int], list[str]]]:
+    """_chunks of --embedded: data=embedded's documents (corpus.embedded_documents), in its order."""
+    from trmoe.data.corpus import embedded_documents
+
+    texts: list[str] = []
+    size, pos = 0, 0
+    for _, text in embedded_documents():
+        texts.append(text)
+        size += len(text)
+        pos += len(text.encode("utf-8"))
+        if len(texts) >= CHUNK_DOCS or size >= CHUNK_BYTES:
+            yield (0, pos), texts
+            texts, size = [], 0
+    if texts:
+        yield (0, pos), texts
+
+
 def _chunks(files: list[Path], text_field: str, separator: str | None) -> Iterator[tuple[tuple, list[str]]]:
     """((file index, bytes consumed in that file), texts) chunks of the documents of all files, in order."""
     for fi, path in enumerate(files):
@@ -306,6 +330,19 @@ def _chunks(files: list[Path], text_field: str, separator: str | None) -> Iterat
                 texts, size = [], 0
         if texts:
             yield (fi, pos), texts
+
+
+def _check_tokenizer(tokenizer: str, vocab_size: int | None) -> None:
+    from trmoe.data.bpe import check_vocab_size
+
+    if tokenizer == "bpe":
+        if vocab_size is None:
+            raise UserError("--tokenizer bpe: needs --vocab-size N (the BPE's ids, e.g. 4096)")
+        check_vocab_size(vocab_size)
+    elif vocab_size is not None:
+        raise UserError(
+            f"--vocab-size {vocab_size}: o200k_base has its 200,019 ids; allowed with --tokenizer bpe"
+        )
 
 
 def _check_args(eval_fraction: float, workers: int, separator: str | None, text_field: str) -> None:
@@ -330,6 +367,37 @@ def bounded_workers(workers: int) -> int:
             file=sys.stderr,
         )
     return min(workers, cores)
+
+
+def _train_bpe(chunks: Iterator[tuple[Any, list[str]]], eval_fraction: float, split_seed: int, n: int) -> str:
+    """tokenizer.json of a BPE of `n` ids trained on the training split's documents, in input order."""
+    from trmoe.data.bpe import train_bpe
+    from trmoe.data.corpus import is_eval_document
+
+    def train_texts() -> Iterator[list[str]]:
+        for _, texts in chunks:
+            yield [t for t in texts if not is_eval_document("", t, eval_fraction, split_seed)]
+
+    return train_bpe(train_texts(), n)
+
+
+def _embedded_input() -> dict[str, Any]:
+    """dataset.json's `inputs` entry of --embedded: what corpus.embedded_documents reads, by its content."""
+    import hashlib
+    import sys as _sys
+
+    from trmoe.data.corpus import embedded_documents
+
+    digest, size = hashlib.sha256(), 0
+    for key, text in embedded_documents():
+        digest.update(f"{len(key)}:{key}{len(text)}:{text}".encode())
+        size += len(text.encode("utf-8"))
+    version = _sys.version.split()[0]
+    return {
+        "path": f"embedded: pydoc_data.topics (Python {version})",
+        "bytes": size,
+        "sha256": digest.hexdigest(),
+    }
 
 
 def _check_out(out: Path) -> None:
@@ -362,12 +430,20 @@ def prepare(
     workers: int = 0,
     progress: str = "none",
     overwrite: bool = False,
+    tokenizer: str = "o200k",
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenize the input into <out>/train and <out>/eval shards; returns the dataset summary (also written
-    to <out>/dataset.json). Raises UserError, leaving nothing behind, on bad input."""
+    """Tokenize the input (a path or glob; None: --embedded) into <out>/train and <out>/eval shards with
+    `tokenizer` (o200k, or bpe of `vocab_size` ids trained here and written to <out>/tokenizer.json); returns
+    the dataset summary (also written to <out>/dataset.json). Raises UserError, leaving nothing behind, on
+    bad input."""
+    from trmoe.data.bpe import FILE_NAME
+
     _check_args(eval_fraction, workers, separator, text_field)
+    _check_tokenizer(tokenizer, vocab_size)
     workers = bounded_workers(workers)
-    root, files = discover_inputs(input_spec)
+    embedded = input_spec is None
+    root, files = (Path.cwd(), []) if embedded else discover_inputs(input_spec)
     for path in files:  # fail on unreadable Parquet before writing anything
         if path.suffix == ".parquet":
             open_parquet(path, text_field, "--text-field")
@@ -379,14 +455,23 @@ def prepare(
         raise UserError(f"output {out}: already holds a prepared dataset ({existing[0]}); use --overwrite")
     if any(out == p.resolve() or out in p.resolve().parents for p in files):
         raise UserError(f"output {out}: is the input or inside it; choose another --out")
-    enc = load_o200k()
-    inputs = [
-        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
-        for p in files
-    ]
+
+    def chunks() -> Iterator[tuple[tuple[int, int], list[str]]]:
+        return _embedded_chunks() if embedded else _chunks(files, text_field, separator)
+
+    bpe_json = None
+    if tokenizer == "bpe":  # trained, and its size checked, before anything is written
+        bpe_json = _train_bpe(chunks(), eval_fraction, split_seed, int(vocab_size or 0))
+    if embedded:
+        inputs = [_embedded_input()]
+    else:
+        inputs = [
+            {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in files
+        ]
     source = {
         "tool": "trmoe.data.prepare",
-        "root": str(root),
+        "root": "embedded" if embedded else str(root),
         "inputs": inputs,
         "text_field": text_field,
         "separator": separator if separator is not None else "blank lines",
@@ -396,27 +481,33 @@ def prepare(
     }
     # Every directory this call makes (--out's missing parents too), removed again on error.
     created = [d for d in (*reversed(out.parents), out, *(out / p for p in PARTITIONS)) if not d.exists()]
-    meta = dict(vocab_size=enc.n_vocab, tokenizer=TOKENIZER_NAME, tokenizer_sha256=tokenizer_fingerprint())
     writers: dict[str, ShardWriter] = {}
-    offsets = np.cumsum([0] + [p.stat().st_size for p in files])
+    sizes = [inputs[0]["bytes"]] if embedded else [p.stat().st_size for p in files]
+    offsets = np.cumsum([0, *sizes])
     bar = Progress(progress, int(offsets[-1]))
     start = time.perf_counter()
     pool, documents = None, 0
-    counts = np.zeros(enc.n_vocab, dtype=np.int64)  # the training split's token frequencies, exact
     # the finished files this call wrote, removed again on error (a full disk at the last write included)
     written: list[Path] = []
     try:
+        tok_path = None
+        if bpe_json is not None:  # the workers read it from its place in the dataset
+            out.mkdir(parents=True, exist_ok=True)
+            tok_path = out / FILE_NAME
+            written.append(tok_path)
+            write_file(tok_path, bpe_json)
+        enc: Tokenizer = load_tokenizer(tokenizer, tok_path)
+        meta = dict(vocab_size=enc.n_vocab, tokenizer=enc.name, tokenizer_sha256=enc.sha256)
+        counts = np.zeros(enc.n_vocab, dtype=np.int64)  # the training split's token frequencies, exact
         for p in PARTITIONS:  # in the try: a directory that cannot be made leaves no other partial file
             try:
-                writers[p] = ShardWriter(out / p, partition=p, eos_id=EOS_ID, source=source, **meta)
+                writers[p] = ShardWriter(out / p, partition=p, eos_id=enc.eos_id, source=source, **meta)
             except OSError as exc:  # no permission, or a file put in the way since the check
                 raise UserError(f"--out {out}: cannot write {out / p} ({exc.strerror or exc})") from None
         with interruptions_deferred():  # a Ctrl-C while the workers start would orphan them
             pool = make_pool(workers)
-        tasks = (
-            (tag, (texts, eval_fraction, split_seed, "all"))
-            for tag, texts in _chunks(files, text_field, separator)
-        )
+        path_arg = None if tok_path is None else str(tok_path)
+        tasks = ((tag, (texts, eval_fraction, split_seed, "all", path_arg)) for tag, texts in chunks())
         for (fi, pos), (is_eval, text_bytes, lengths, ids) in ordered_map(
             pool, encode_documents, tasks, max_in_flight=2 * max(workers, 1) + 1
         ):
@@ -430,7 +521,8 @@ def prepare(
         for p, writer in writers.items():
             if writer.documents == 0:
                 raise UserError(
-                    f"input {input_spec}: the split rule put none of the {documents} documents into {p}; "
+                    f"input {input_spec or 'embedded'}: the split rule put none of the {documents} documents "
+                    f"into {p}; "
                     f"{'raise' if p == 'eval' else 'lower'} --eval-fraction or add documents"
                 )
         indexes = {}
@@ -444,8 +536,10 @@ def prepare(
             "format": "trmoe-dataset",
             "version": 1,
             "source": source,
-            "tokenizer": TOKENIZER_NAME,
-            "tokenizer_sha256": meta["tokenizer_sha256"],
+            "tokenizer": enc.name,
+            "tokenizer_sha256": enc.sha256,
+            "vocab_size": enc.n_vocab,
+            **({"tokenizer_file": FILE_NAME} if tok_path is not None else {}),
             "partitions": {
                 p: {k: idx[k] for k in ("num_tokens", "documents", "text_bytes", "sha256", "dtype")}
                 | {"path": p}
@@ -456,6 +550,8 @@ def prepare(
         }
         written.append(out / DATASET_FILE)
         write_file(out / DATASET_FILE, json_text(summary, indent=2, sort_keys=True) + "\n", fsync=False)
+        if tok_path is None:  # --overwrite of a bpe dataset: its tokenizer.json would pass for this one's
+            (out / FILE_NAME).unlink(missing_ok=True)
     except BaseException as exc:
         with interruptions_deferred(reraise=False):  # a second Ctrl-C must not cut the clean-up short
             if pool is not None:
@@ -520,7 +616,11 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
             f"  {p:5s} {part['documents']:>10,} documents  {part['num_tokens']:>14,} tokens  "
             f"{part['text_bytes']:>14,} bytes  {out / p}  sha256 {part['sha256'][:16]}"
         )
-    print(f"train with: python -m trmoe.train data=tokens {train_override('data.path', out)}")
+    bpe = " tokenizer=bpe" if summary["tokenizer"] == "bpe" else ""
+    if bpe:
+        print(f"  tokenizer bpe, {summary['vocab_size']:,} ids: {out / summary['tokenizer_file']}  sha256 "
+              f"{summary['tokenizer_sha256'][:16]}")  # fmt: skip
+    print(f"train with: python -m trmoe.train data=tokens {train_override('data.path', out)}{bpe}")
 
 
 def train_override(key: str, value: Path | str) -> str:
@@ -552,11 +652,21 @@ def _verify(paths: list[str]) -> None:
 def _parser() -> Parser:
     parser = Parser(
         prog="python -m trmoe.data.prepare",
-        description="Tokenize text into a train/eval pair of o200k token shards (docs/data.md). "
+        description="Tokenize text into a train/eval pair of token shards (o200k_base, or a byte-level BPE "
+        "trained on it: --tokenizer bpe --vocab-size N; docs/data.md). "
         "`python -m trmoe.data.prepare verify DIR...` checks shards.",
     )
     parser.add_argument(
-        "input", help="a UTF-8 text file, a directory of .txt/.jsonl/.parquet files, or a glob"
+        "input",
+        nargs="?",
+        help="a UTF-8 text file, a directory of .txt/.jsonl/.parquet files, or a glob (or --embedded)",
+    )
+    parser.add_argument(
+        "--embedded", action="store_true", help="data=embedded's documents (CPython's help topics) as input"
+    )
+    parser.add_argument("--tokenizer", choices=("o200k", "bpe"), default="o200k", help="o200k_base or a BPE")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="--tokenizer bpe: its ids (>= 257; e.g. 512-32768)"
     )
     parser.add_argument("--out", required=True, help="output dataset directory (gets train/ and eval/)")
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
@@ -595,6 +705,8 @@ def _main(argv: list[str]) -> int:
             _verify(verify.parse_args(argv[1:]).paths)
             return 0
         args = _parser().parse_args(argv)
+        if (args.input is None) == (not args.embedded):
+            raise UserError("input: give a file, directory or glob, or --embedded (one of them)")
         summary = prepare(
             args.input,
             args.out,
@@ -605,6 +717,8 @@ def _main(argv: list[str]) -> int:
             workers=args.workers,
             progress=args.progress,
             overwrite=args.overwrite,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
         )
         _print_summary(Path(args.out).expanduser().resolve(), summary)
     except KeyboardInterrupt as exc:

@@ -24,7 +24,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from trmoe.data.tokenizer import EOS_ID, load_o200k
+from trmoe.data.tokenizer import Tokenizer, load_tokenizer
 from trmoe.errors import UserError
 from trmoe.generate import Sampling, generate
 from trmoe.load import load_model
@@ -56,6 +56,7 @@ class TRMoELM(TemplateLM):
         max_length: int | str | None = None,
         model: TRMoETransformer | None = None,
         progress: bool | None = None,
+        tokenizer: Tokenizer | None = None,
         **_ignored,
     ):
         super().__init__()
@@ -67,10 +68,15 @@ class TRMoELM(TemplateLM):
             # (training with downstream.tasks passes its model: its config was refused at validation)
             loaded.model.refuse_analysis_only("downstream evaluation")
             if not loaded.text_vocab:
-                raise UserError(f"run {run}: its model does not read o200k_base text (model.vocab_size)")
-            model = loaded.model
+                raise UserError(
+                    f"run {run}: its model reads neither o200k_base text nor a tokenizer=bpe's "
+                    "(model.vocab_size)"
+                )
+            model, tokenizer = loaded.model, loaded.tokenizer()
         self.model = model.eval()
-        self.enc = load_o200k()
+        # the run's tokenizer (a model passed in: the caller's, by default o200k_base)
+        self.enc = tokenizer if tokenizer is not None else load_tokenizer()
+        self.eos = self.enc.eos_id
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self.max_length = min(int(max_length or model.spec.max_seq_len), model.spec.max_seq_len)
         self.progress = progress  # None: a bar only on a terminal (tqdm's disable=None)
@@ -85,7 +91,7 @@ class TRMoELM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return EOS_ID
+        return self.eos
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.enc.encode(string, allowed_special="all")
@@ -106,7 +112,9 @@ class TRMoELM(TemplateLM):
             spans.append((len(whole) - 1 - n, n))  # positions predicting the continuation
         width = max(len(x) for x in inputs)
         device = self.model.embed.weight.device
-        ids = torch.tensor([x + [EOS_ID] * (width - len(x)) for x in inputs], device=device)  # right padding:
+        ids = torch.tensor(
+            [x + [self.eos] * (width - len(x)) for x in inputs], device=device
+        )  # right padding:
         hidden = self.model(ids)  # causal, so the padding never changes a scored position
         rows = torch.cat([hidden[b, start : start + n] for b, (start, n) in enumerate(spans)])
         logp = self.model.logits(rows).float().log_softmax(-1)
@@ -185,9 +193,9 @@ class TRMoELM(TemplateLM):
                     return bool(until) and any(stop in self.tok_decode(new) for stop in until)
 
                 for i, new in zip(
-                    batch, generate(self.model, prompts, s, eos_id=EOS_ID, done=done), strict=True
+                    batch, generate(self.model, prompts, s, eos_id=self.eos, done=done), strict=True
                 ):
-                    text = self.tok_decode([t for t in new if t != EOS_ID])
+                    text = self.tok_decode([t for t in new if t != self.eos])
                     for stop in until:
                         text = text.split(stop)[0] if stop else text
                     results[i] = text

@@ -7,7 +7,8 @@ format "hf": a Hugging Face directory that transformers loads offline with
     generation_config.json    end-of-text id (the length bound: max_position_embeddings)
     configuration_trmoe.py    standalone (torch + transformers; importable without trmoe)
     modeling_trmoe.py
-    tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships
+    tokenizer.json, tokenizer_config.json   o200k_base, converted offline from the rank file trmoe ships; or
+                              a tokenizer=bpe run's own tokenizer.json, byte for byte (sha256 checked)
 format "safetensors": model.safetensors (trmoe's own names) and config.json (the model spec) only.
 
 A model.parametrization=mup model's two forward multipliers are baked into the hf format's weights, so that
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from trmoe.data.tokenizer import Tokenizer
 from trmoe.durable import json_text, staged_dir
 from trmoe.errors import UserError, require_directory, require_writable
 from trmoe.load import LoadedModel
@@ -35,10 +37,12 @@ FORMATS = ("hf", "safetensors")
 _CODE = ("configuration_trmoe.py", "modeling_trmoe.py")
 
 
-def hf_config(loaded: LoadedModel) -> dict:
-    """config.json of the hf format: TRMoEConfig's fields (configuration_trmoe.py) and the auto_map."""
+def hf_config(loaded: LoadedModel, eos_id: int | None = None) -> dict:
+    """config.json of the hf format: TRMoEConfig's fields (configuration_trmoe.py) and the auto_map
+    (`eos_id`: the run's tokenizer's end-of-text id; None = o200k_base's)."""
     from trmoe.data.tokenizer import EOS_ID
 
+    eos = EOS_ID if eos_id is None else eos_id
     s = loaded.spec
     return {
         "architectures": ["TRMoEForCausalLM"],
@@ -68,9 +72,9 @@ def hf_config(loaded: LoadedModel) -> dict:
         "routing_strategy": s.strategy,
         **_route_key(loaded),
         "rms_norm_eps": s.norm_eps,
-        "bos_token_id": EOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": EOS_ID,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
         "use_cache": True,
         "trmoe": {
             "run": run_name(loaded),
@@ -121,9 +125,14 @@ def _readable(out: Path) -> None:
         path.chmod(0o666 & ~umask)
 
 
-def write_tokenizer(out: Path, max_len: int) -> None:
+def write_tokenizer(out: Path, max_len: int, tok: Tokenizer | None = None) -> None:
     """tokenizer.json / tokenizer_config.json: o200k_base as a byte-level BPE (merges recovered from the
-    ranks), its special tokens at trmoe's ids (end-of-text 199999)."""
+    ranks), its special tokens at trmoe's ids (end-of-text 199999); or a tokenizer=bpe run's tokenizer.json
+    as it is (`tok`: PreTrainedTokenizerFast reads that format itself)."""
+    if tok is not None and tok.path is not None:
+        (out / "tokenizer.json").write_bytes(tok.path.read_bytes())
+        _tokenizer_config(out, max_len)
+        return
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from trmoe.data.tokenizer import PAT_STR, _parse_ranks, _rank_file_bytes, load_o200k
@@ -142,6 +151,11 @@ def write_tokenizer(out: Path, max_len: int) -> None:
     _O200k(vocab_file=None, pattern=PAT_STR, extra_special_tokens=specials).converted().save(
         str(out / "tokenizer.json")
     )
+    _tokenizer_config(out, max_len)
+
+
+def _tokenizer_config(out: Path, max_len: int) -> None:
+    """tokenizer_config.json: both tokenizers name their end-of-text token <|endoftext|>."""
     eos = "<|endoftext|>"
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -183,20 +197,22 @@ def _write_hf(loaded: LoadedModel, out: Path, tokenizer: bool) -> None:
 
     from trmoe.data.tokenizer import EOS_ID
 
+    tok = loaded.tokenizer() if tokenizer else None
+    eos = EOS_ID if tok is None else tok.eos_id
     state = {f"model.{k}": v.contiguous() for k, v in baked_state(loaded.model).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config(loaded)
+    config = hf_config(loaded, eos)
     config["trmoe"]["weights_sha256"] = _sha256(out / "model.safetensors")
     (out / "config.json").write_text(json_text(config, indent=2) + "\n")
     # No max_length: transformers warns on every generate(max_new_tokens=...) when one is set; without it,
     # its default length is capped at config.max_position_embeddings (the model's context).
-    generation = {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID}
+    generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
     (out / "generation_config.json").write_text(json_text(generation, indent=2) + "\n")
     code = resources.files("trmoe.export") / "hf"
     for name in _CODE:
         (out / name).write_text((code / name).read_text(encoding="utf-8"), encoding="utf-8")
     if tokenizer:
-        write_tokenizer(out, loaded.spec.max_seq_len)
+        write_tokenizer(out, loaded.spec.max_seq_len, tok)
 
 
 def _write_safetensors(loaded: LoadedModel, out: Path) -> None:
@@ -238,6 +254,8 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
             "--format safetensors"
         )
     loaded.model.refuse_analysis_only(f"export of {loaded.checkpoint}")
+    if fmt == "hf" and loaded.text_vocab:
+        loaded.tokenizer()  # a tokenizer=bpe file missing or changed: refused before anything is written
     model = loaded.model.to(device="cpu", dtype=torch.float32)
     loaded = LoadedModel(
         model, loaded.spec, loaded.step, loaded.checkpoint, loaded.config, torch.device("cpu")

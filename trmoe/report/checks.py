@@ -63,6 +63,9 @@ def item_of(key: str) -> str:
     if key in (
         "data.tokenizer",
         "data.tokenizer_sha256",
+        "config.tokenizer.name",
+        "config.tokenizer.path",
+        "config.tokenizer.sha256",
         "config.model.vocab_size",
         "config.model.vocab_pad_multiple",
     ):

@@ -83,6 +83,7 @@ VOLATILE_KEYS = (
     "data_info.sources.*.metric_streams",
     "data_info.plan.*",  # a mixture's samples and epochs per source over trainer.steps (which may change)
     "routing.embedding",  # where the file is; its content hash (derived.route_embedding_sha256) is critical
+    "tokenizer.path",  # where the tokenizer.json is; its content hash (tokenizer.sha256) is critical
 )
 
 

@@ -46,6 +46,7 @@ SECTIONS = [
     ("data.sources.<name>", schema.MixtureSourceConfig, "One source of `data=mixture` (see docs/data.md)."),
     ("hardware", schema.HardwareConfig, "Device and numerics."),
     ("loss", schema.LossConfig, "Training objective."),
+    ("tokenizer", schema.TokenizerConfig, "The tokenizer text is read with (see docs/data.md, Tokenizers)."),
     ("trainer", schema.TrainerConfig, "Steps, batch geometry, cadences (top level of conf/config.yaml)."),
     ("run", schema.RunConfig, "Run naming and display (top level of conf/config.yaml)."),
     ("telemetry", schema.TelemetryConfig, "Expert telemetry (see docs/training.md; top level)."),

@@ -1,4 +1,4 @@
-"""data=embedded: the English help texts every CPython ships (pydoc_data), o200k-tokenized in memory."""
+"""data=embedded: the English help texts every CPython ships (pydoc_data), tokenized in memory (tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ if TYPE_CHECKING:
 
 
 def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
-    from trmoe.data.build import corpus_pipeline, require_o200k_vocab
+    from trmoe.data.build import corpus_pipeline, require_text_vocab
     from trmoe.data.corpus import load_corpus
 
     d = cfg.data
-    require_o200k_vocab(cfg, vocab_size)
-    corpus = load_corpus("embedded", eval_fraction=d.eval_fraction, split_seed=d.split_seed)
-    return corpus_pipeline(cfg, corpus)
+    tok = require_text_vocab(cfg, vocab_size)
+    corpus = load_corpus("embedded", eval_fraction=d.eval_fraction, split_seed=d.split_seed, tokenizer=tok)
+    return corpus_pipeline(cfg, corpus, tok)
 
 
 VARIANT = DataSourceVariant(
     "embedded", build=build, mixture_keys=(), order=0,
-    doc="CPython's help texts (`pydoc_data`), o200k-tokenized in memory",
+    doc="CPython's help texts (`pydoc_data`), tokenized in memory (`tokenizer=`)",
     split="document content hash", sample="window of a seeded permutation (or sequential)",
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """data=jsonl: documents from local JSON Lines files (data.path: a file, a folder of *.jsonl files or a glob),
-one JSON object per line, the text in its field data.text_field; o200k-tokenized in memory and split by the
-content hash of each document, as data=text (or a held-out JSONL file, data.jsonl_eval_path)."""
+one JSON object per line, the text in its field data.text_field; tokenized in memory (tokenizer=) and split
+by the content hash of each document, as data=text (or a held-out JSONL file, data.jsonl_eval_path)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from trmoe.config.schema import Config
     from trmoe.data.corpus import Corpus
     from trmoe.data.pipeline import DataPipeline
+    from trmoe.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -60,35 +61,39 @@ def documents(spec: str, text_field: str, key: str) -> tuple[list[tuple[str, str
     return docs, {"paths": [p for p, _ in files], "sha256": [h for _, h in files]}
 
 
-def load(d: Any) -> Corpus:
+def load(d: Any, tok: Tokenizer | None = None) -> Corpus:
+    """The corpus of data=jsonl's files, tokenized with `tok` (None: o200k_base)."""
     from trmoe.data.corpus import build_corpus
+    from trmoe.data.tokenizer import load_tokenizer
 
+    tok = tok if tok is not None else load_tokenizer()
     docs, files = documents(d.path, d.text_field, "data.path")
     info = {"source": "jsonl", "path": d.path, "files": files, "text_field": d.text_field}
     if d.jsonl_eval_path is None:
-        return build_corpus(docs, d.eval_fraction, d.split_seed, f"jsonl:{d.path}", info)
+        return build_corpus(docs, d.eval_fraction, d.split_seed, f"jsonl:{d.path}", info, tok)
     held, held_files = documents(d.jsonl_eval_path, d.text_field, "data.jsonl_eval_path")
-    return _separate(docs, held, f"jsonl:{d.path}", {**info, "eval_files": held_files})
+    return _separate(docs, held, f"jsonl:{d.path}", {**info, "eval_files": held_files}, tok)
 
 
-def _separate(train: list[tuple[str, str]], held: list[tuple[str, str]], name: str, info: dict) -> Corpus:
+def _separate(
+    train: list[tuple[str, str]], held: list[tuple[str, str]], name: str, info: dict, tok: Tokenizer
+) -> Corpus:
     """A corpus of two given splits (data.jsonl_eval_path): every document of the held-out files is
     held out, every one of data.path trains."""
     from trmoe.data.corpus import Corpus, _make_split
-    from trmoe.data.tokenizer import EOS_ID, TOKENIZER_NAME, tokenizer_fingerprint
 
     content = hashlib.sha256()
     for part, docs in (("train", train), ("eval", held)):
         for key, text in docs:
             content.update(f"{part}{len(key)}:{key}{len(text)}:{text}".encode())
-    a, b = _make_split([t for _, t in train]), _make_split([t for _, t in held])
+    a, b = _make_split([t for _, t in train], tok), _make_split([t for _, t in held], tok)
     info = {
         **info,
         "name": name,
         "documents_sha256": content.hexdigest(),
-        "tokenizer": TOKENIZER_NAME,
-        "tokenizer_sha256": tokenizer_fingerprint(),
-        "eos_id": EOS_ID,
+        "tokenizer": tok.name,
+        "tokenizer_sha256": tok.sha256,
+        "eos_id": tok.eos_id,
         "split": {"rule": "separate files: data.path trains, data.jsonl_eval_path is held out"},
         "train": {"documents": a.documents, "tokens": int(a.tokens.size), "bytes": a.bytes},
         "eval": {"documents": b.documents, "tokens": int(b.tokens.size), "bytes": b.bytes},
@@ -97,10 +102,10 @@ def _separate(train: list[tuple[str, str]], held: list[tuple[str, str]], name: s
 
 
 def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
-    from trmoe.data.build import corpus_pipeline, require_o200k_vocab
+    from trmoe.data.build import corpus_pipeline, require_text_vocab
 
-    require_o200k_vocab(cfg, vocab_size)
-    return corpus_pipeline(cfg, load(cfg.data))
+    tok = require_text_vocab(cfg, vocab_size)
+    return corpus_pipeline(cfg, load(cfg.data, tok), tok)
 
 
 def validate(d: Any, where: str = "data") -> None:

@@ -19,19 +19,20 @@ class TextOptions:
 
 
 def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
-    from trmoe.data.build import corpus_pipeline, require_o200k_vocab
+    from trmoe.data.build import corpus_pipeline, require_text_vocab
     from trmoe.data.corpus import load_corpus
 
     d = cfg.data
-    require_o200k_vocab(cfg, vocab_size)
+    tok = require_text_vocab(cfg, vocab_size)
     corpus = load_corpus(
         "text",
         text_path=d.text_path,
         separator=d.separator,
         eval_fraction=d.eval_fraction,
         split_seed=d.split_seed,
+        tokenizer=tok,
     )
-    return corpus_pipeline(cfg, corpus)
+    return corpus_pipeline(cfg, corpus, tok)
 
 
 def validate(d: Any, where: str = "data") -> None:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from trmoe.config.schema import Config
     from trmoe.data.pipeline import DataPipeline
     from trmoe.data.shards import TokenShard
+    from trmoe.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -21,12 +22,27 @@ class TokensOptions:
     verify: bool = False  # tokens: re-hash each tokens.bin (sha256) and rescan its ids at start-up
 
 
-def _check_shard_against_model(shard: TokenShard, vocab_size: int) -> bool:
-    """Vocab and tokenizer of a shard vs the model; returns whether its ids are o200k text (bpb defined)."""
+def _check_shard_against_model(shard: TokenShard, vocab_size: int, tok: Tokenizer) -> bool:
+    """Vocab and tokenizer of a shard vs the model and the run's tokenizer (tokenizer.*); returns whether
+    its ids are text of that tokenizer (bpb defined). Shards of the other known tokenizer are refused: their
+    ids would train as if they were this one's; a foreign label (another runner's, synthetic ids) is read as
+    ids that are no text."""
+    from trmoe.data.bpe import NAME as BPE
     from trmoe.data.shards import INDEX_NAME
-    from trmoe.data.tokenizer import TOKENIZER_NAME, tokenizer_fingerprint
+    from trmoe.data.tokenizer import TOKENIZER_NAME
 
     index, where = shard.index, shard.directory / INDEX_NAME
+    if index["tokenizer"] in (TOKENIZER_NAME, BPE) and index["tokenizer"] != tok.name:
+        fix = (
+            "tokenizer=bpe (its tokenizer.json is read beside the shards)"
+            if index["tokenizer"] == BPE
+            else ("tokenizer=o200k (the default)")
+        )
+        raise UserError(
+            f"token shard {where}: made with tokenizer {index['tokenizer']} (vocab {index['vocab_size']}), "
+            f"but this run reads text with {tok.name} (vocab {tok.n_vocab}); allowed: {fix}, or shards "
+            f"prepared with this run's tokenizer"
+        )
     if index["vocab_size"] > vocab_size:
         raise UserError(
             f"token shard {where}: token ids up to {index['vocab_size'] - 1} "
@@ -34,16 +50,37 @@ def _check_shard_against_model(shard: TokenShard, vocab_size: int) -> bool:
             f"max id {index['max_token_id']}) do not fit model.vocab_size={vocab_size}; allowed: "
             f"model.vocab_size >= {index['vocab_size']}"
         )
-    if index["tokenizer"] == TOKENIZER_NAME:
+    if index["tokenizer"] == tok.name:
         # a converted legacy shard hashed its tokenizer another way: its label and vocab are what is known
-        if index.get("converted_from") is None and index["tokenizer_sha256"] != tokenizer_fingerprint():
-            raise UserError(
-                f"token shard {where}: tokenizer {TOKENIZER_NAME} with rank-file sha256 "
-                f"{index['tokenizer_sha256']}, but this trmoe's is {tokenizer_fingerprint()}; "
+        if index.get("converted_from") is None and index["tokenizer_sha256"] != tok.sha256:
+            what = "rank-file" if tok.name == TOKENIZER_NAME else "tokenizer.json"
+            fix = (
                 "re-prepare the data"
+                if tok.path is None
+                else (
+                    "point tokenizer.path at the tokenizer.json the shards were prepared with "
+                    f"(not {tok.path})"
+                )
+            )
+            raise UserError(
+                f"token shard {where}: tokenizer {tok.name} with {what} sha256 "
+                f"{index['tokenizer_sha256']}, but this run's is {tok.sha256}; {fix}"
             )
         return True
     return False
+
+
+def shard_tokenizer_file(data_path: str) -> Path | None:
+    """The tokenizer.json `python -m trmoe.data.prepare --tokenizer bpe` wrote beside the shards of
+    data.path (a dataset directory, or one of its shard directories): what tokenizer=bpe reads when
+    tokenizer.path is not set. None when there is none."""
+    from trmoe.data.bpe import FILE_NAME
+
+    base = Path(data_path).expanduser().resolve()
+    for folder in (base, base.parent):
+        if (folder / FILE_NAME).is_file():
+            return folder / FILE_NAME
+    return None
 
 
 def _tail_split(shard: TokenShard, eval_fraction: float, seq_len: int) -> int:
@@ -97,14 +134,14 @@ def _shard_dirs(cfg: Config) -> tuple[Path, Path | None]:
 def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
     import logging
 
-    from trmoe.data.build import check_one_batch, pipeline
+    from trmoe.data.build import check_one_batch, pipeline, run_tokenizer
     from trmoe.data.pipeline import ShardWindows
     from trmoe.data.shards import INDEX_NAME, open_shard
-    from trmoe.data.tokenizer import TOKENIZER_NAME
 
     log = logging.getLogger("trmoe")
     d, t = cfg.data, cfg.trainer
     train_dir, eval_dir = _shard_dirs(cfg)
+    tok = run_tokenizer(cfg)
     train_shard = open_shard(train_dir, verify=d.verify)
     if train_shard.index["partition"] != "train":
         raise UserError(
@@ -112,7 +149,7 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
             "training on "
             "a held-out shard would mix eval into train"
         )
-    is_text = _check_shard_against_model(train_shard, vocab_size)
+    is_text = _check_shard_against_model(train_shard, vocab_size, tok)
     if d.verify:
         log.info("data: verified sha256 and token ids of %s", train_dir)
     name = f"token shard {train_dir}"
@@ -131,7 +168,7 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
                     f"token shard {eval_dir / INDEX_NAME}: {key} {eval_shard.index[key]!r} differs from the "
                     f"training shard's {train_shard.index[key]!r}"
                 )
-        _check_shard_against_model(eval_shard, vocab_size)
+        _check_shard_against_model(eval_shard, vocab_size, tok)
         if d.verify:
             log.info("data: verified sha256 and token ids of %s", eval_dir)
         train_tokens, eval_tokens = train_shard.tokens, eval_shard.tokens
@@ -160,7 +197,7 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         log.info(
             "data: tokenizer %r is not %s text: eval_bpb is NaN",
             train_shard.index["tokenizer"],
-            TOKENIZER_NAME,
+            tok.name,
         )
     info = {
         "source": "tokens",
@@ -181,7 +218,15 @@ def build(cfg: Config, vocab_size: int, world_size: int = 1) -> DataPipeline:
         ("split token", split.get("split_token")),
     ]
     return pipeline(
-        t, train, held_out, info, fixed=train_fixed, text=is_text, streams=streams, identity=identity
+        t,
+        train,
+        held_out,
+        info,
+        fixed=train_fixed,
+        text=is_text,
+        streams=streams,
+        identity=identity,
+        tokenizer=tok,
     )
 
 

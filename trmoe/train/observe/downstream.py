@@ -67,6 +67,7 @@ class Downstream:
 
     def __init__(self, cfg: Config):
         ds = cfg.downstream
+        self._tokenizer = cfg.tokenizer
         self.tasks = list(ds.tasks)
         self.limit, self.include_path, self.batch_size = ds.limit, ds.include_path, ds.batch_size
         self.cadence = downstream_cadence(cfg.trainer, ds.every) if self.tasks else NEVER
@@ -99,10 +100,12 @@ class Downstream:
     def attach(self, model, device: torch.device, amp_dtype) -> None:
         """The model to evaluate (the plain module: not a DDP or compiled wrapper) and its autocast."""
         if self.tasks:
+            # no bar: training's log lines are the progress there, a bar would break them apart
+            from trmoe.data.tokenizer import load_tokenizer
             from trmoe.eval.lm import TRMoELM
 
-            # no bar: training's log lines are the progress there, a bar would break them apart
-            self._lm = TRMoELM(model=model, batch_size=self.batch_size, progress=False)
+            tok = load_tokenizer(self._tokenizer.name, self._tokenizer.path)  # the run's (tokenizer.*)
+            self._lm = TRMoELM(model=model, batch_size=self.batch_size, progress=False, tokenizer=tok)
             model.train()  # TRMoELM puts it in eval mode; columns() does, and restores, that itself
             self._model, self._device, self._amp_dtype = model, device, amp_dtype
 
