@@ -59,6 +59,10 @@ SKIPPED = {
     ("docs/data.md", "python -m trmoe.train data=mixture data.sources.web.weight"): "a fragment (`...`): "
     "one key changed on top of the mixture above",
     ("docs/after_training.md", "python -m trmoe.train ..."): "a fragment (`...`): keys added to a run",
+    (
+        "docs/routing.md",
+        "python -m trmoe.train routing=distilled",
+    ): "reads the parent run the line above it trains (tests/test_distilled.py runs the pair)",
     ("docs/extending.md", "pip install ./trmoe-demo-plugins"): "installs the demo plug-in package: "
     "tests/test_plugins.py installs it (into a temporary folder) and trains the selection below",
     ("docs/extending.md", "python -m trmoe.train optimizer=demo_signum"): "needs the demo plug-in "

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import CONF_DIR, cli, compose_config
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from presets import GRID_TINY as TINY_RUN
 
 from trmoe.config.param_match import solve_match
@@ -150,6 +151,7 @@ def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name, em
         "hash_vs_learned",
         "roller_hash_table",
         "router_persistence",
+        "controls_2026",
     ],
 )
 def test_each_grid_has_a_smoke_variant_with_the_same_arms(name):
@@ -334,6 +336,60 @@ def test_hash_vs_learned_smoke_grid_runs_and_its_report_lists_every_arm(tmp_path
     with open(job / "metrics.csv") as f:
         last = list(csv.DictReader(f))[-1]
     assert float(last["router_aux"]) >= 1.0 - 1e-6 and last["expert_imbalance"] not in ("", "nan")
+
+
+@pytest.mark.slow
+def test_controls_2026_smoke_grid_reports_verdicts_and_its_distilled_jobs_read_their_parents(tmp_path):
+    """The whole controls_2026_smoke grid (12 jobs, 2 steps each; checkpoints on: the parents' are what is
+    distilled): every arm finishes at the target, report.md has a TOST verdict and an effective speed-up row
+    per arm, and each distilled job counted the learned_v3 job of its own seed, which ran before it."""
+    import shutil
+
+    arms = _grid("controls_2026_smoke").hydra.sweeper.params["arm"].split(",")
+    names = [a.rsplit("/", 1)[1] for a in arms]
+    assert names.index("learned_v3") < names.index("distilled")
+    tiny = [o for o in TINY_RUN if not o.startswith("checkpoint.")]
+    run = [
+        "-m",
+        "experiment=controls_2026_smoke",
+        *tiny,
+        "routing.distill_tokens=2000",
+        "hydra.sweep.dir=grid",
+    ]
+    result = cli(run, cwd=tmp_path)
+    grid = tmp_path / "grid"
+    try:
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(grid / "report.csv", newline="") as f:
+            rows = {r["arm"]: r for r in csv.DictReader(f)}
+        assert sorted(rows) == sorted(f"arm={a}" for a in arms)
+        assert all(r["status"] == "finished" and r["params_total"] == "12924480" for r in rows.values())
+        md = (grid / "report.md").read_text()
+        verdicts = md.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+        equivalence, speed = verdicts.split("### Effective speed-up")
+        for arm in arms:
+            if arm.endswith("/learned_v3"):  # the control
+                continue
+            line = next(x for x in equivalence.splitlines() if x.startswith(f"| arm={arm} | 2 |"))
+            assert re.search(r"\| (better|worse|equivalent within δ=0\.01|inconclusive) \|$", line), line
+            assert any(x.startswith(f"| arm={arm} | 2 |") for x in speed.splitlines()), arm
+        jobs = {
+            p: OmegaConf.load(p / ".hydra" / "overrides.yaml") for p in grid.iterdir() if p.name.isdigit()
+        }
+        children = [p for p, o in jobs.items() if "arm=controls_2026/distilled" in o]
+        assert len(children) == 2
+        for child in children:
+            record = json.loads((child / "run_config.json").read_text())["distilled"]
+            parent = (child / record["run"]).resolve()
+            seed = next(o for o in jobs[child] if o.startswith("trainer.seed="))
+            assert "arm=controls_2026/learned_v3" in jobs[parent] and seed in jobs[parent]
+            assert int(parent.name) < int(child.name)  # ran before it
+            assert record["from"] == "arm:learned_v3" and record["tokens"] == 2000 and record["step"] == 2
+            read = f"distilled from {parent.name}/checkpoints/step_00000002 (step 2"
+            assert read in (child / "train.log").read_text().replace(str(grid) + "/", "")
+    finally:
+        for checkpoints in grid.glob("*/checkpoints"):  # 150 MB each
+            shutil.rmtree(checkpoints)
 
 
 def test_sweep_jobs_record_their_status_and_param_match(smoke_sweep):

@@ -39,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trmoe.config",),  # schema, validation against the model's and the data's facts, the ModelSpec, derived
     ("trmoe.runtime", "trmoe.generate", "trmoe.loss"),  # device, ranks, parallel wrapping; decoding; the loss
     ("trmoe.run",),  # the run directory's lifecycle: launch, checkpoints, records, status, lock, signals
-    ("trmoe.optim", "trmoe.load", "trmoe.report", "trmoe.convert", "trmoe.match"),
+    # (trmoe.distill: routing=distilled's parent and counting pass, over run/'s checkpoints and the data)
+    ("trmoe.optim", "trmoe.load", "trmoe.report", "trmoe.convert", "trmoe.match", "trmoe.distill"),
     ("trmoe.plan", "trmoe.eval", "trmoe.sample", "trmoe.export"),
     ("trmoe.train",),  # the training job, the Trainer, its observers (train/observe)
     ("trmoe.bench",),  # the benchmarks drive the training step

@@ -303,6 +303,8 @@ class RoutingConfig:
     combine: RouteCombine = RouteCombine.fixed  # fixed-route layers: weights by p, or DeepSeek-V4's gate
     bias_update: float = 0.001  # learned_v3 only: gamma, the balancing bias's step per optimizer step
     seq_aux_weight: float = 0.0  # learned_v3 only: weight of its sequence-wise balance loss; 0 = off
+    distill_from: str | None = None  # distilled only: a learned(_v3) run or checkpoint, or arm:<name>
+    distill_tokens: int = 10_000_000  # distilled only: training-split tokens of the counting pass
     layers: list[LayerRoutingConfig] = field(default_factory=list)  # per-layer ranges: routing.layers[] below
 
 

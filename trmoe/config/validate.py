@@ -472,6 +472,31 @@ def _validate_embedding(cfg: Config, name: str, needed: bool) -> None:
         _fail("routing.embedding", source, str(e))
 
 
+def _validate_distill(cfg: Config, names: list[str]) -> None:
+    """routing.distill_from / distill_tokens: set for a distilled layer, and only then (the parent itself is
+    checked where the run starts: trmoe.distill.resolve)."""
+    r = cfg.routing
+    distilled = [name for name in names if REGISTRY[name].distilled]
+    if not distilled:
+        if r.distill_from is not None:
+            _fail(
+                "routing.distill_from",
+                r.distill_from,
+                f"only read by routing.strategy=distilled ({names[0]})",
+            )
+        return
+    if r.distill_tokens <= 0:
+        _fail("routing.distill_tokens", r.distill_tokens, "must be > 0 (tokens of the counting pass)")
+    allowed = "a run directory or checkpoint of a routing=learned or learned_v3 run, or arm:<name> in a sweep"
+    if not r.distill_from:
+        _fail("routing.distill_from", r.distill_from, f"routing.strategy=distilled needs {allowed}")
+    if r.distill_from.startswith("arm:"):
+        if not r.distill_from.removeprefix("arm:").strip():
+            _fail("routing.distill_from", r.distill_from, f"names no arm; allowed: {allowed}")
+    elif not Path(r.distill_from).expanduser().exists():
+        _fail("routing.distill_from", r.distill_from, f"no such file or directory; allowed: {allowed}")
+
+
 def _validate_strategy(cfg: Config) -> None:
     """What the routing strategies of the layers need (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
@@ -508,6 +533,7 @@ def _validate_strategy(cfg: Config) -> None:
                 f"routing.strategy={name} routes on the target token (analysis only: training and held-out "
                 "loss); allowed: [] (no downstream evaluation)",
             )
+    _validate_distill(cfg, names)
     embedded = [name for name in names if REGISTRY[name].needs_embedding]
     _validate_embedding(cfg, embedded[0] if embedded else names[0], bool(embedded))
     if r.frequencies and not needs_frequencies(cfg):

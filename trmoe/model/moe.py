@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trmoe.model.context_routing import hash_routes, units_tensor
 from trmoe.model.routing import (
+    DISTILL_FALLBACK,
     REGISTRY,
     build_route_table,
     draw_router,
@@ -207,8 +208,10 @@ class RoutedExperts(nn.Module):
             table = torch.empty(top_k, spec.vocab_size, dtype=torch.uint8, device="meta")
         else:
             freq = load_token_counts(spec.route_frequencies) if spec.route_frequencies else None
+            # distilled: its never-seen rule's table until the run sets the counted one (set_route_table,
+            # trmoe.distill) or a checkpoint loads it
             table = build_route_table(
-                strategy,
+                DISTILL_FALLBACK if entry.distilled else strategy,
                 spec.vocab_size,
                 num_experts,
                 top_k,

@@ -59,6 +59,10 @@ gradient), and weights the selected ``s`` normalised over the K (the formulas: t
 Every strategy with fixed routes (a table or a hashed key) may learn its combine weights instead of ``p``
 (``routing.combine=learned``, DeepSeek-V4's hash layers): ``w_k = g_{r_k} / sum_j g_{r_j}`` with
 ``g = sqrt(softplus(x W_g^T))``, ``W_g`` [E, H] a gate per layer; the routes stay the table's.
+``distilled`` (Grouter, arXiv 2603.06626, 2026) is a table too, but not a function of the sizes and the
+seed: it is counted from a trained router's choices over training tokens (the formula:
+trmoe/model/distill.py) and handed to ``build_route_table`` as ``routes``; until a run sets it the model
+holds the table of ``balanced_hash`` (the rule for token ids the pass never saw).
 ``REGISTRY`` is the one list of strategies: the config schema, its
 validation and docs/routing.md read it.
 
@@ -411,6 +415,13 @@ def _balanced_hash_all_tuples(args: TableArgs) -> np.ndarray:
     return tuple_hash_routes(sigma, rng.permutation(len(tuples)), tuples)
 
 
+def _distilled(args: TableArgs) -> np.ndarray:
+    """The layer's table as trmoe/model/distill.py counted it (build_route_table checks it as every table)."""
+    if args.routes is None:
+        raise ValueError("routing strategy 'distilled' needs its distilled table (routes)")
+    return np.asarray(args.routes)
+
+
 def _embedding_table(args: TableArgs, dispersed: bool) -> np.ndarray:
     from trmoe.model.embedding_routing import clusters
 
@@ -446,6 +457,7 @@ class TableArgs:
     hash_count: int
     frequencies: np.ndarray | None
     embedding: str | None = None  # clustered/dispersed: the token embedding's source (embedding_routing)
+    routes: np.ndarray | None = None  # distilled: this layer's counted table (trmoe/model/distill.py)
 
 
 @dataclass(frozen=True)
@@ -460,6 +472,7 @@ class Strategy:
     origin: str  # the old runner's name for the same construction, or what it is new to
     needs_frequencies: bool = False  # reads routing.frequencies (token counts of the training split)
     needs_embedding: bool = False  # reads routing.embedding (a [V, H] token embedding)
+    distilled: bool = False  # its table is counted from a parent run's router (routing.distill_from)
     nested_k: bool = True  # the K = 2 table is the first two rows of the K = 4 table
     # what a position routes on (trmoe.model.context_routing.KEY_KINDS): "token" (its input id, through the
     # table), or a key hashed on the fly (no table: build is None); None: a learned router (the hidden state)
@@ -591,6 +604,16 @@ _BUILTIN: dict[str, Strategy] = {
     ),
     "clustered_hash": _from_embedding(False, "share an expert"),
     "dispersed_hash": _from_embedding(True, "spread over the experts"),
+    "distilled": Strategy(
+        _distilled,
+        "as the parent router's choices (never-seen ids: balanced_hash)",
+        "per layer, as the parent's router",
+        "as counted",
+        "new: Grouter 2026 (arXiv 2603.06626): the K experts a trained router chose most often per token id "
+        "(routing.distill_from)",
+        nested_k=False,
+        distilled=True,
+    ),
     "learned": Strategy(
         None,
         "by the auxiliary loss (per batch)",
@@ -650,8 +673,12 @@ REGISTRY: dict[str, Strategy] = dict(STRATEGY_REGISTRY.items())
 ALL_STRATEGIES: tuple[str, ...] = tuple(REGISTRY)  # every value routing.strategy takes
 # the strategies with a route table that need nothing but the sizes and the seed
 STRATEGIES: tuple[str, ...] = tuple(
-    n for n, s in REGISTRY.items() if s.has_table and not s.needs_frequencies and not s.needs_embedding
+    n
+    for n, s in REGISTRY.items()
+    if s.has_table and not s.needs_frequencies and not s.needs_embedding and not s.distilled
 )
+# distilled's table before a run sets it, and its rule for the token ids the pass never saw
+DISTILL_FALLBACK = "balanced_hash"
 MAX_TUPLES = 1 << 20  # balanced_hash_all_tuples enumerates its tuples
 
 
@@ -678,14 +705,16 @@ def build_route_table(
     hash_count: int = 2,
     frequencies: np.ndarray | torch.Tensor | None = None,
     embedding: str | None = None,
+    routes: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route table of one layer: ``[top_k, vocab_size]`` tensor of expert ids, ``table[k, t]`` the
     k-th expert of token id t (distinct over k); dtype torch.uint8 if num_experts <= 256 else
     torch.int16. A pure function of its arguments; ``hash_count`` only affects ``multi_hash``,
     ``frequencies`` (token counts, length vocab_size) only ``frequency_balanced_secondary``, which
     needs them, ``embedding`` (a token embedding's source: trmoe.model.embedding_routing) only
-    ``clustered_hash`` and ``dispersed_hash``, which need it. Raises ValueError on an unknown strategy,
-    one without a table, or out-of-range sizes."""
+    ``clustered_hash`` and ``dispersed_hash``, which need it, ``routes`` (a [top_k, vocab_size] table
+    counted by trmoe.model.distill) only ``distilled``, which needs it. Raises ValueError on an unknown
+    strategy, one without a table, or out-of-range sizes."""
     import torch
 
     name, vocab, experts, k, lay, sd, h = _validate(
@@ -706,7 +735,9 @@ def build_route_table(
         raise ValueError(
             f"balanced_hash_all_tuples: E!/(E-K)! = {tuple_count(experts, k)} tuples > {MAX_TUPLES}"
         )
-    args = TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies, embedding)
+    if routes is not None:
+        routes = np.asarray(routes.cpu() if hasattr(routes, "cpu") else routes).astype(np.int64)
+    args = TableArgs(vocab, experts, k, lay, sd, layer_salt(sd, lay), h, frequencies, embedding, routes)
     origin = STRATEGY_REGISTRY.origin(name)
     try:
         table = np.asarray(entry.build(args))
@@ -828,13 +859,13 @@ def groups_by_tuple(
 ) -> bool:
     """`tuple_grouping` of layer 0's table is not None (the planner's question; every layer of the
     built-in strategies has the same number of tuples at a realistic vocabulary). A learned router groups
-    by expert; so does the frequency-balanced secondary, whose greedy pass uses more tuples than experts
-    (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
+    by expert; so do a distilled table and the frequency-balanced secondary, whose greedy pass uses more
+    tuples than experts (all E(E-1) at E = 4, K = 2) for any table but a degenerate one."""
     entry = REGISTRY[getattr(strategy, "value", strategy)]
     if entry.needs_embedding:
         return True  # E tuples (r_0, r_0 + 1, ...) by construction, whatever the embedding
-    if not entry.has_table or entry.needs_frequencies:
-        return False
+    if not entry.has_table or entry.needs_frequencies or entry.distilled:
+        return False  # (distilled: counted from a router, its tuples are as many as the router used)
     table = build_route_table(strategy, vocab_size, num_experts, top_k, 0, seed, hash_count)
     return tuple_grouping(table, num_experts) is not None
 

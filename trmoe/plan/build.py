@@ -274,8 +274,8 @@ def routing_plan(cfg: Config, spec) -> dict:
     }
     if entry.key == "position":
         out["routes_on"] = "the position"
-    if not entry.has_table or spec.routed_width == 0 or spec.num_experts < 2:
-        return out
+    if not entry.has_table or entry.distilled or spec.routed_width == 0 or spec.num_experts < 2:
+        return out  # (distilled: its table is counted at the run's start, from its parent: trmoe.distill)
     path = frequencies_path(cfg)
     counts = load_token_counts(str(path)) if path is not None and path.is_file() else None
     if counts is not None and counts.shape != (spec.vocab_size,):

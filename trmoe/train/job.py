@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from trmoe import distill as distillation
 from trmoe.config.resolve import to_config
 from trmoe.config.schema import Config
 from trmoe.config.spec import model_spec
@@ -72,6 +73,7 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
     plan = launch.decide(cfg, view, run, store)  # reads only
     preflight.check(plan, cfg)
     init = init_from.resolve(cfg, plan, dist_env.world_size)  # trainer.init_from: the parent, checked
+    parent = distillation.resolve(cfg, plan)  # routing=distilled: the router its tables come from, checked
     if plan.mode == "complete":
         if rank == 0:  # status.json, the log and so the report agree on what the run is
             log.info("%s", status.settle_complete(run.path, plan.start_step, plan.checkpoint.meta))
@@ -109,9 +111,12 @@ def _job(raw_cfg: DictConfig, cfg: Config | None, run: RunDir, early: records.Ea
             trainer = Trainer(cfg, raw_cfg, plan, store, data, dist_env, device, amp_dtype, spec, downstream)
             if init is not None:  # the parent's weights (a branch: its optimizer, step and RNG too)
                 init.apply(trainer)
-            # run_config.json's init_from: the parent (a resume keeps the first attempt's record)
-            parent = init.record() if init else (plan.previous or {}).get("init_from")
-            facts = dataclasses.replace(trainer.facts(), init_from=parent)
+            if parent is not None:  # the counting pass, its tables into the model (a resume: checkpoint's)
+                parent.apply(trainer, data)
+            # run_config.json's init_from, distilled: the parents (a resume keeps the first attempt's record)
+            start = init.record() if init else (plan.previous or {}).get("init_from")
+            distilled = parent.record() if parent else distillation.keep(plan)
+            facts = dataclasses.replace(trainer.facts(), init_from=start, distilled=distilled)
             run_record.announce(facts, cfg, raw_cfg)  # the opening log lines, run_config.json
             with trainer:  # opens metrics.csv, telemetry.csv, the trackers, the profiler
                 final = loop(trainer, stop)

@@ -46,6 +46,7 @@ class RunFacts:
     mfu_peak: dict[str, Any]  # the peak FLOP/s the mfu column is against, its source (observe/meters.py)
     controls: dict[str, Any]  # what the training controls resolved to: loss backend, groups, schedules, ...
     init_from: dict[str, Any] | None = None  # the parent of trainer.init_from (InitSource.record)
+    distilled: dict[str, Any] | None = None  # routing=distilled: its parent and pass (trmoe.distill)
 
 
 def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
@@ -109,6 +110,7 @@ def announce(facts: RunFacts, cfg: Config, raw_cfg: DictConfig) -> None:
             "controls": facts.controls,  # loss backend, groups, schedules, compile, telemetry file
             "param_match": None if match is None else match.to_dict(),  # model.match_params: the width
             "init_from": facts.init_from,  # trainer.init_from: parent path, run, step, kind, content hash
+            "distilled": facts.distilled,  # routing=distilled: parent (run, step, content), tokens, rules
             "route_embedding": _route_embedding(spec),  # clustered/dispersed_hash: file, sha256, shape
             # ladder.*: rung, arm, seed, role (stable | branch), budget and parent (trmoe.config.ladder)
             "ladder": ladder.record(cfg, tokens_per_step, _arm(), facts.init_from),
