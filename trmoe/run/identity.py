@@ -38,6 +38,8 @@ VOLATILE_KEYS = (
     "trainer.eval_every",
     "trainer.eval_batches",
     "trainer.resume",
+    "trainer.init_from",  # where the parent is (a moved sweep's branches); its content hash is checked when
+    # the run starts from it again (trmoe.train.init_from), a resume reads its own checkpoints only
     "trainer.force_resume",
     "trainer.micro_batch",  # with grad_accum and the world size: how the global batch is split;
     "trainer.grad_accum",  # derived.global_batch_tokens is the critical value

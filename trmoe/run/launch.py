@@ -6,6 +6,7 @@
     resume    continue from a complete checkpoint (trainer.resume=auto: the directory's newest one that
               verifies; trainer.resume=<path>: that one)
     restart   the directory holds this same run but no complete checkpoint yet: start it again from step 0
+              (a launch killed in its start-up, before run_config.json: compared with its .hydra/config.yaml)
     complete  the newest checkpoint is the last step: nothing to do
 
 A resumed run must be the same experiment (trmoe.run.identity): a training-critical difference stops the
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trmoe.config.schema import Config
 from trmoe.errors import UserError
@@ -49,7 +50,7 @@ from trmoe.run.identity import (
     flatten,
     training_view,
 )
-from trmoe.run.rundir import RunDir, named_by
+from trmoe.run.rundir import HYDRA, LOG, RANK_LOGS, RunDir, named_by
 
 log = logging.getLogger("trmoe")
 
@@ -69,6 +70,7 @@ class Launch:
     stored_view: dict[str, Any] = field(default_factory=dict)
     metrics_rows: int = 0
     metrics_expected: int | None = None  # metrics.csv rows up to the resumed step, as its checkpoint says
+    start_up: bool = False  # a restart of a launch killed in its start-up: nothing recorded but its config
 
     @property
     def start_step(self) -> int:
@@ -81,13 +83,13 @@ class Launch:
     def check_data(self, data, data_info: dict, *, rank: int, force: bool) -> None:
         """Compare the data identity with the stored run's and load the data cursor (still before writes)."""
         self.view.update(training_view({}, None, data_info))
-        if self.mode in ("fresh", "complete"):
+        if self.mode in ("fresh", "complete") or self.start_up:  # (start_up: no data identity recorded)
             return
         diff = compare(self.stored_view, self.view, data_only=True)
         self.diff.volatile.update(diff.volatile)
         if diff.critical:
             where = self.checkpoint.path if self.checkpoint else self.run.run_config
-            _mismatch(diff, where, force=force, restart=self.mode == "restart")
+            _mismatch(diff, where, force=force, restart=self.run.path if self.mode == "restart" else None)
             self.forced.update(diff.as_record())
         if self.checkpoint is not None:
             cursor = load_local_state(self.checkpoint, rank).get("data")
@@ -209,11 +211,13 @@ def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) ->
         )
 
 
-def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = False) -> None:
-    if restart:
+def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: Path | None = None) -> None:
+    """Refuse (or with `force` let pass) the critical differences from `where`; `restart`: the run
+    directory of a restart, whose record `where` is (run_config.json, or .hydra/config.yaml)."""
+    if restart is not None:
         raise UserError(
-            f"run directory {where.parent} holds a different run and no complete checkpoint; "
-            f"training-critical keys differ from its run_config.json:\n{diff.render()}\n"
+            f"run directory {restart} holds a different run and no complete checkpoint; "
+            f"training-critical keys differ from its {where.relative_to(restart)}:\n{diff.render()}\n"
             f"choose another {named_by()}, or replace it: trainer.resume=never run.overwrite=true "
             "(nothing was changed)"
         )
@@ -308,17 +312,25 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
                     "trainer.resume=<checkpoint>, or start over: trainer.resume=never run.overwrite=true "
                     "(nothing was changed)"
                 )
-            if previous is None or not isinstance(previous.get("config"), dict):
+            recorded = previous is not None and isinstance(previous.get("config"), dict)
+            started = None if recorded else _killed_in_start_up(run, held)
+            if not recorded and started is None:
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
                     f"readable run_config.json nor a complete checkpoint; choose another {named_by()}, or "
                     "replace it: trainer.resume=never run.overwrite=true (nothing was changed)"
                 )
             launch.mode = "restart"
-            launch.stored_view = _stored_view(previous)
-            diff = compare(launch.stored_view, view, data_only=False)
+            if started is not None:  # compared on the config alone: its derived values were never recorded
+                launch.start_up = True
+                launch.stored_view = _config_only(training_view(started, None, None))
+                diff = compare(launch.stored_view, _config_only(view), data_only=False)
+            else:
+                launch.stored_view = _stored_view(previous)
+                diff = compare(launch.stored_view, view, data_only=False)
             if diff.critical:
-                _mismatch(diff, run.run_config, force=False, restart=True)
+                where = run.hydra / "config.yaml" if started is not None else run.run_config
+                _mismatch(diff, where, force=False, restart=run.path)
             launch.diff = diff
             log.warning(
                 "run directory %s holds this run but no complete checkpoint: restarting at step 0", run_dir
@@ -376,6 +388,24 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
         for path in launch.continued_csvs():
             records.read_step_rows(path, info.step)
     return launch
+
+
+def _killed_in_start_up(run: RunDir, held: list[str]) -> dict[str, Any] | None:
+    """The config of a launch killed in its start-up (a ladder's branch as it starts, any run): its writes
+    began (.hydra/, train.log, status.json) but it wrote no run_config.json and trained nothing (no
+    metrics.csv, no checkpoint), so it can start again from step 0. Its .hydra/config.yaml, or None when the
+    directory holds more than that or the file is unreadable."""
+    if not set(held) <= {HYDRA, LOG, RANK_LOGS}:
+        return None
+    try:
+        config = config_container(OmegaConf.load(run.hydra / "config.yaml"))
+    except Exception:  # missing, unreadable, not YAML, an interpolation that does not resolve
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _config_only(view: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in view.items() if k.split(".")[0] not in ("derived", "data_info")}
 
 
 def _started_from(previous: dict[str, Any] | None, requested: str) -> bool:
