@@ -20,7 +20,6 @@ training side (trmoe.train.preflight).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trmoe.config.schema import Config
 from trmoe.errors import UserError
@@ -50,7 +49,7 @@ from trmoe.run.identity import (
     flatten,
     training_view,
 )
-from trmoe.run.rundir import HYDRA, LOG, RANK_LOGS, RunDir, named_by
+from trmoe.run.rundir import RunDir, named_by
 
 log = logging.getLogger("trmoe")
 
@@ -212,8 +211,7 @@ def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) ->
 
 
 def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: Path | None = None) -> None:
-    """Refuse (or with `force` let pass) the critical differences from `where`; `restart`: the run
-    directory of a restart, whose record `where` is (run_config.json, or .hydra/config.yaml)."""
+    """Refuse (`force`: let pass) the critical differences from `where`, in `restart`'s run directory."""
     if restart is not None:
         raise UserError(
             f"run directory {restart} holds a different run and no complete checkpoint; "
@@ -249,15 +247,6 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: Path | Non
     )
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`; None if it is missing, unreadable or holds anything else."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _history(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
     """run_config.json's `resumes`: the entries that are records (a hand-edited file may hold anything)."""
     resumes = (previous or {}).get("resumes")
@@ -276,7 +265,7 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
     how = t.resume.strip()
     run_dir = run.path
     store.check_paths()
-    previous = _read_json(run.run_config)
+    previous = records.read_json(run.run_config)
     held = run.held()
     if previous is None and run.run_config.name in held:
         log.warning(
@@ -312,22 +301,18 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
                     "trainer.resume=<checkpoint>, or start over: trainer.resume=never run.overwrite=true "
                     "(nothing was changed)"
                 )
-            recorded = previous is not None and isinstance(previous.get("config"), dict)
-            started = None if recorded else _killed_in_start_up(run, held)
+            recorded = isinstance((previous or {}).get("config"), dict)
+            started = None if recorded else records.start_up_config(run, held)  # killed in its start-up?
             if not recorded and started is None:
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
                     f"readable run_config.json nor a complete checkpoint; choose another {named_by()}, or "
                     "replace it: trainer.resume=never run.overwrite=true (nothing was changed)"
                 )
-            launch.mode = "restart"
-            if started is not None:  # compared on the config alone: its derived values were never recorded
-                launch.start_up = True
-                launch.stored_view = _config_only(training_view(started, None, None))
-                diff = compare(launch.stored_view, _config_only(view), data_only=False)
-            else:
-                launch.stored_view = _stored_view(previous)
-                diff = compare(launch.stored_view, view, data_only=False)
+            launch.mode, launch.start_up = "restart", started is not None
+            launch.stored_view = _stored_view({"config": started} if started is not None else previous)
+            # (killed in its start-up: its config alone was recorded, not its derived values or data)
+            diff = compare(launch.stored_view, view, data_only=False, derived=started is None)
             if diff.critical:
                 where = run.hydra / "config.yaml" if started is not None else run.run_config
                 _mismatch(diff, where, force=False, restart=run.path)
@@ -388,24 +373,6 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
         for path in launch.continued_csvs():
             records.read_step_rows(path, info.step)
     return launch
-
-
-def _killed_in_start_up(run: RunDir, held: list[str]) -> dict[str, Any] | None:
-    """The config of a launch killed in its start-up (a ladder's branch as it starts, any run): its writes
-    began (.hydra/, train.log, status.json) but it wrote no run_config.json and trained nothing (no
-    metrics.csv, no checkpoint), so it can start again from step 0. Its .hydra/config.yaml, or None when the
-    directory holds more than that or the file is unreadable."""
-    if not set(held) <= {HYDRA, LOG, RANK_LOGS}:
-        return None
-    try:
-        config = config_container(OmegaConf.load(run.hydra / "config.yaml"))
-    except Exception:  # missing, unreadable, not YAML, an interpolation that does not resolve
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _config_only(view: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in view.items() if k.split(".")[0] not in ("derived", "data_info")}
 
 
 def _started_from(previous: dict[str, Any] | None, requested: str) -> bool:
