@@ -201,6 +201,7 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_slurm.py",
     "test_experiments.py",
+    "test_ladder_resume.py",
     "test_resume_world.py",
     "test_wheel.py",
 )

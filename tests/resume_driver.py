@@ -16,10 +16,22 @@ Faults (k = optimizer step; the process SIGKILLs itself, exactly like `kill -9` 
     save:k:prune           after an old checkpoint was renamed for deletion, before it is deleted
     signal:k:USR2          the process sends itself SIGUSR2 (or TERM) in step k's forward
     nan:k:n                the loss of steps k .. k+n-1 is NaN (exit code 3 once guard.max_skips trips)
+
+Ladder faults (r = the r-th run this process trains, from 0: a ladder job trains its stable run, then a
+branch per budget, in one process; trmoe.train.ladder):
+    ladder:r:before        before run r starts (the run before it finished; run r's directory not made)
+    ladder:r:locked        run r's directory and lock made, nothing else written
+    ladder:r:running       its launch's writes made (.hydra/, train.log, status.json "running"), no
+                           run_config.json yet
+    ladder:r:recorded      run_config.json written, no step trained
+    ladder:r:step:k        in step k's forward of run r
+    ladder:r:saving        half-way through writing run r's first checkpoint
+    ladder:r:saved         run r's first checkpoint complete (`latest` names it), nothing after it
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -40,6 +52,8 @@ def die() -> None:
 def install(fault: str) -> None:
     if fault == "none":
         return
+    if fault.startswith("ladder:"):
+        return install_ladder(*fault.split(":")[1:])
     kind, k, *rest = fault.split(":")
     k = int(k)
     phase = rest[0] if rest else ""
@@ -161,6 +175,89 @@ def install(fault: str) -> None:
             ckpt.shutil.rmtree = faulty_rmtree
         else:
             raise SystemExit(f"unknown save phase {phase!r}")
+
+
+def install_ladder(r: str, phase: str, k: str = "0") -> None:
+    """The ladder faults (module docstring): run r counted at each trmoe.train.loop.train call."""
+    import trmoe.run.lock as lock
+    import trmoe.run.status as status
+    import trmoe.train.loop as loop
+    import trmoe.train.run_record as run_record
+
+    runs = {"index": -1, "step": 0, "saves": 0}
+    ours = lambda: runs["index"] == int(r)  # noqa: E731
+    train = loop.train
+
+    def counted_train(*args, **kwargs):
+        runs["index"] += 1
+        runs["saves"] = 0
+        if ours() and phase == "before":
+            die()
+        return train(*args, **kwargs)
+
+    loop.train = counted_train
+    if phase == "before":
+        pass
+    elif phase == "locked":
+        hold = lock.hold
+
+        @contextlib.contextmanager
+        def faulty_hold(*args, **kwargs):
+            with hold(*args, **kwargs) as held:
+                if ours():
+                    die()
+                yield held
+
+        lock.hold = faulty_hold
+    elif phase == "running":
+        write_status = status.write_status
+
+        def faulty_write_status(run_dir, value, **fields):
+            write_status(run_dir, value, **fields)
+            if ours() and value == status.RUNNING:
+                die()
+
+        status.write_status = faulty_write_status
+    elif phase == "recorded":
+        announce = run_record.announce
+
+        def faulty_announce(*args, **kwargs):
+            announce(*args, **kwargs)
+            if ours():
+                die()
+
+        run_record.announce = faulty_announce
+    elif phase == "step":
+        begin_step, forward = Scheduler.begin_step, Objective.forward
+
+        def tracked_begin_step(self, step):
+            runs["step"] = step
+            return begin_step(self, step)
+
+        def faulty_forward(self, inputs, targets=None):
+            if ours() and runs["step"] == int(k):
+                die()
+            return forward(self, inputs, targets)
+
+        Scheduler.begin_step, Objective.forward = tracked_begin_step, faulty_forward
+    elif phase in ("saving", "saved"):
+        save, write = ckpt.CheckpointStore.save, ckpt._ChecksumWriter.write
+
+        def faulty_save(self, step, **kwargs):
+            runs["saves"] += 1
+            out = save(self, step, **kwargs)
+            if ours() and runs["saves"] == 1 and phase == "saved":
+                die()
+            return out
+
+        def half_write(self, data):
+            if ours() and runs["saves"] == 1 and phase == "saving" and self.bytes > 1000:
+                die()
+            return write(self, data)
+
+        ckpt.CheckpointStore.save, ckpt._ChecksumWriter.write = faulty_save, half_write
+    else:
+        raise SystemExit(f"unknown ladder phase {phase!r}")
 
 
 def run(fault: str, argv: list[str]) -> int:

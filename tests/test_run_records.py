@@ -186,12 +186,25 @@ def test_every_json_writer_goes_through_json_text():
 
 def test_a_directory_left_before_the_run_record_is_refused(small_run, tmp_path):
     """What a launch killed between its first writes and run_config.json leaves: .hydra/, train.log and
-    status.json. Old code: a launch of another config silently reused it."""
+    status.json. Another config is refused with the diff against its .hydra/config.yaml (old code: it silently
+    reused the directory); the same config starts it again from step 0 (a ladder's branch killed as it
+    starts: tests/test_ladder_resume.py); with no readable .hydra/config.yaml it is refused."""
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     for name in (".hydra", "train.log", "status.json"):
         src = small_run / name
         (shutil.copytree if src.is_dir() else shutil.copyfile)(src, run_dir / name)
+    before = tree_digest(run_dir)
+    with pytest.raises(
+        UserError, match=r"holds a different run .* from its .hydra/config.yaml:\n  trainer.seed  42 -> 5\n"
+    ):
+        train_in_process(run_dir, *RESUME_SMALL, "trainer.seed=5")
+    assert tree_digest(run_dir) == before
+    same = tmp_path / "same"
+    shutil.copytree(run_dir, same)
+    train_in_process(same, *RESUME_SMALL)
+    assert json.loads((same / "run_config.json").read_text())["resumes"][0]["mode"] == "restart"
+    (run_dir / ".hydra" / "config.yaml").write_text("[unclosed")
     before = tree_digest(run_dir)
     with pytest.raises(UserError, match=r"holds files of a run \(train.log, .hydra\).*run.overwrite=true"):
         train_in_process(run_dir, *RESUME_SMALL, "trainer.seed=5")

@@ -221,7 +221,7 @@ def record(cfg: Config, tokens_per_step: int, arm: str | None, parent: dict | No
     branch = parent is not None
     sweep_dir, job = hydra_sweep() or (None, None)
     parent_run = parent["run"] if branch else None
-    if parent_run is not None and sweep_dir is not None:
+    if parent_run is not None and sweep_dir is not None and parent.get("relative_to") != "sweep":
         parent_run = os.path.relpath(Path(parent_run).resolve(), Path(sweep_dir).resolve())
     return {
         "name": lad.name,

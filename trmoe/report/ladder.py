@@ -19,7 +19,9 @@ the sweep's ladder and the directory the sweep ran in, its (rung, arm, seed) is 
 budget in its job's plan, and it sits at its planned place relative to the sweep: `<job>` for the stable run,
 `<job>-d<budget tokens>` for a branch. Every other ladder run (a backup copy, a run copied in from another
 ladder or sweep) is left out with the reason, and every planned run without its own run is named missing.
-Places and the recorded sweep directory are relative or fixed at launch, so a moved sweep still reports.
+Places and the recorded sweep directory are relative or fixed at launch, so a moved sweep still reports; a
+moved sweep rerun there (the runs it then trains record the new place, multirun.yaml too) owns every place
+one of its stable runs records at its planned place.
 
 Fit points (`select`): the branch runs (each budget's decay); a stable run only for an (arm, rung, seed)
 that has no branch (a ladder of plain runs): a stable run that was branched never decayed, so its loss is
@@ -191,6 +193,8 @@ class SweepPlan:
     ran_in: str | None
     name: str  # ladder.name
     grid: frozenset[tuple[int, str, int]]  # the jobs' (rung, arm, seed)
+    # where else it ran: a sweep moved and rerun keeps runs that record its earlier place (`own`)
+    also_ran_in: frozenset[str] = frozenset()
 
 
 def _grid_values(task: list[str], params: dict, key: str) -> list[str] | None:
@@ -248,7 +252,7 @@ def _foreign(p: Point, plan: SweepPlan) -> str:
         return "not this sweep's plan: its ladder record names no sweep or job (an older run)"
     if p.ladder != plan.name:
         return f"from another ladder: {p.ladder}, not this sweep's {plan.name}"
-    if lad["sweep"] != plan.ran_in:
+    if lad["sweep"] != plan.ran_in and lad["sweep"] not in plan.also_ran_in:
         return f"from another sweep: run in {lad['sweep']}, this sweep in {plan.ran_in}"
     if (p.rung, p.arm, p.seed) not in plan.grid:
         return f"not planned: rung {p.rung}, arm {p.arm}, seed {p.seed} is no job of this sweep's grid"
@@ -271,6 +275,19 @@ def own(points: list[Point]) -> list[str]:
             ran = Counter(p.record.get("sweep") for p in mine if p.ladder == plan.name)
             ran.pop(None, None)
             plan = replace(plan, ran_in=ran.most_common(1)[0][0] if ran else "")
+        # a sweep moved and rerun: multirun.yaml names the new place, the runs that were complete before the
+        # move the old one. Each place one of its stable runs records (at its planned place, of this ladder
+        # and grid) is the sweep's; a run copied in from another sweep records a place none of them does
+        stables = [
+            p.record.get("sweep")
+            for p in mine
+            if p.role == "stable"
+            and p.ladder == plan.name
+            and p.record.get("job") is not None
+            and p.where == _place(p.record)
+            and (p.rung, p.arm, p.seed) in plan.grid
+        ]
+        plan = replace(plan, also_ran_in=frozenset(s for s in stables if s is not None))
         owned: dict[tuple, Point] = {}
         copies: list[Point] = []
         for p in mine:

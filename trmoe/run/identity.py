@@ -38,6 +38,8 @@ VOLATILE_KEYS = (
     "trainer.eval_every",
     "trainer.eval_batches",
     "trainer.resume",
+    "trainer.init_from",  # where the parent is (a moved sweep's branches); its content hash is checked when
+    # the run starts from it again (trmoe.train.init_from), a resume reads its own checkpoints only
     "trainer.force_resume",
     "trainer.micro_batch",  # with grad_accum and the world size: how the global batch is split;
     "trainer.grad_accum",  # derived.global_batch_tokens is the critical value
@@ -244,12 +246,17 @@ def _show(value: Any) -> str:
     return value if value == ABSENT else json.dumps(value, default=str)
 
 
-def compare(old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None = None) -> ConfigDiff:
-    """Differences between two views. data_only=True compares only data_info.* keys, False all but them."""
+def compare(
+    old: dict[str, Any], new: dict[str, Any], *, data_only: bool | None = None, derived: bool = True
+) -> ConfigDiff:
+    """Differences between two views. data_only=True compares only data_info.* keys, False all but them;
+    derived=False leaves out the derived.* keys (`old` records none: a launch killed before its record)."""
     diff = ConfigDiff()
     old, new = _in_effect(old), _in_effect(new)
     for key in sorted(set(old) | set(new)):
         if data_only is not None and key.startswith("data_info.") != data_only:
+            continue
+        if not derived and key.split(".")[0] == "derived":
             continue
         a, b = old.get(key, ABSENT), new.get(key, ABSENT)
         if (

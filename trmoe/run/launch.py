@@ -6,6 +6,7 @@
     resume    continue from a complete checkpoint (trainer.resume=auto: the directory's newest one that
               verifies; trainer.resume=<path>: that one)
     restart   the directory holds this same run but no complete checkpoint yet: start it again from step 0
+              (a launch killed in its start-up, before run_config.json: compared with its .hydra/config.yaml)
     complete  the newest checkpoint is the last step: nothing to do
 
 A resumed run must be the same experiment (trmoe.run.identity): a training-critical difference stops the
@@ -19,7 +20,6 @@ training side (trmoe.train.preflight).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -69,6 +69,7 @@ class Launch:
     stored_view: dict[str, Any] = field(default_factory=dict)
     metrics_rows: int = 0
     metrics_expected: int | None = None  # metrics.csv rows up to the resumed step, as its checkpoint says
+    start_up: bool = False  # a restart of a launch killed in its start-up: nothing recorded but its config
 
     @property
     def start_step(self) -> int:
@@ -81,13 +82,13 @@ class Launch:
     def check_data(self, data, data_info: dict, *, rank: int, force: bool) -> None:
         """Compare the data identity with the stored run's and load the data cursor (still before writes)."""
         self.view.update(training_view({}, None, data_info))
-        if self.mode in ("fresh", "complete"):
+        if self.mode in ("fresh", "complete") or self.start_up:  # (start_up: no data identity recorded)
             return
         diff = compare(self.stored_view, self.view, data_only=True)
         self.diff.volatile.update(diff.volatile)
         if diff.critical:
             where = self.checkpoint.path if self.checkpoint else self.run.run_config
-            _mismatch(diff, where, force=force, restart=self.mode == "restart")
+            _mismatch(diff, where, force=force, restart=self.run.path if self.mode == "restart" else None)
             self.forced.update(diff.as_record())
         if self.checkpoint is not None:
             cursor = load_local_state(self.checkpoint, rank).get("data")
@@ -209,11 +210,12 @@ def _warn_if_environment_changes(before: dict[str, Any], now: dict[str, Any]) ->
         )
 
 
-def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = False) -> None:
-    if restart:
+def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: Path | None = None) -> None:
+    """Refuse (`force`: let pass) the critical differences from `where`, in `restart`'s run directory."""
+    if restart is not None:
         raise UserError(
-            f"run directory {where.parent} holds a different run and no complete checkpoint; "
-            f"training-critical keys differ from its run_config.json:\n{diff.render()}\n"
+            f"run directory {restart} holds a different run and no complete checkpoint; "
+            f"training-critical keys differ from its {where.relative_to(restart)}:\n{diff.render()}\n"
             f"choose another {named_by()}, or replace it: trainer.resume=never run.overwrite=true "
             "(nothing was changed)"
         )
@@ -245,15 +247,6 @@ def _mismatch(diff: ConfigDiff, where: Path, *, force: bool, restart: bool = Fal
     )
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`; None if it is missing, unreadable or holds anything else."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _history(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
     """run_config.json's `resumes`: the entries that are records (a hand-edited file may hold anything)."""
     resumes = (previous or {}).get("resumes")
@@ -272,7 +265,7 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
     how = t.resume.strip()
     run_dir = run.path
     store.check_paths()
-    previous = _read_json(run.run_config)
+    previous = records.read_json(run.run_config)
     held = run.held()
     if previous is None and run.run_config.name in held:
         log.warning(
@@ -308,17 +301,21 @@ def decide(cfg: Config, view: dict[str, Any], run: RunDir, store: CheckpointStor
                     "trainer.resume=<checkpoint>, or start over: trainer.resume=never run.overwrite=true "
                     "(nothing was changed)"
                 )
-            if previous is None or not isinstance(previous.get("config"), dict):
+            recorded = isinstance((previous or {}).get("config"), dict)
+            started = None if recorded else records.start_up_config(run, held)  # killed in its start-up?
+            if not recorded and started is None:
                 raise UserError(
                     f"run directory {run_dir} holds files of a run ({', '.join(held)}) but neither a "
                     f"readable run_config.json nor a complete checkpoint; choose another {named_by()}, or "
                     "replace it: trainer.resume=never run.overwrite=true (nothing was changed)"
                 )
-            launch.mode = "restart"
-            launch.stored_view = _stored_view(previous)
-            diff = compare(launch.stored_view, view, data_only=False)
+            launch.mode, launch.start_up = "restart", started is not None
+            launch.stored_view = _stored_view({"config": started} if started is not None else previous)
+            # (killed in its start-up: its config alone was recorded, not its derived values or data)
+            diff = compare(launch.stored_view, view, data_only=False, derived=started is None)
             if diff.critical:
-                _mismatch(diff, run.run_config, force=False, restart=True)
+                where = run.hydra / "config.yaml" if started is not None else run.run_config
+                _mismatch(diff, where, force=False, restart=run.path)
             launch.diff = diff
             log.warning(
                 "run directory %s holds this run but no complete checkpoint: restarting at step 0", run_dir

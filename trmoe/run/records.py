@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trmoe.durable import json_text, nofollow, write_file
 from trmoe.errors import UserError
-from trmoe.run.rundir import RunDir
+from trmoe.run.rundir import HYDRA, LOG, RANK_LOGS, RunDir
 
 SCHEMA_VERSION = 1
 
@@ -40,6 +41,31 @@ def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
         hc = HydraConfig.get()
         write_file(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
         write_file(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`; None if it is missing, unreadable or holds anything else."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def start_up_config(run: RunDir, held: list[str]) -> dict[str, Any] | None:
+    """The config of a launch killed in its start-up (a ladder's branch as it starts, any run): its writes
+    began (.hydra/, train.log, status.json) but it wrote no run_config.json and trained nothing (no
+    metrics.csv, no checkpoint: `held` names the rest), so it may start again from step 0 (trmoe.run.launch).
+    Its .hydra/config.yaml, resolved; None when the directory holds more or the file is unreadable."""
+    if not set(held) <= {HYDRA, LOG, RANK_LOGS}:
+        return None
+    try:
+        config = OmegaConf.to_container(
+            OmegaConf.load(run.hydra / "config.yaml"), resolve=True, enum_to_str=True
+        )
+    except Exception:  # missing, unreadable, not YAML, an interpolation that does not resolve
+        return None
+    return config if isinstance(config, dict) else None
 
 
 class EarlyLog(logging.Handler):

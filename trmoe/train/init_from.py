@@ -12,9 +12,11 @@ from another run").
                                  schedule): a WSD cooldown branch (docs/scaling.md)
 
 The new run is a run directory of its own: the parent is only read, never written. run_config.json records
-the parent (`init_from`: path, run directory, step, kind, content hash and what was carried); a resume of the
-new run continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts
-it from the parent again (refused when the parent's content is no longer the recorded one). Everything is
+the parent (`init_from`: path, run directory, step, kind, content hash and what was carried; the paths
+relative to the sweep directory for a parent in the run's own Hydra sweep); a resume of the new run
+continues its own checkpoints and keeps that record, and a kill before its first checkpoint starts it from
+the parent again (refused when the parent's content is no longer the recorded one; the path may have moved:
+it is where the parent is, its content is what it is). Everything is
 checked before anything is written: the path, the tensors' names and shapes against the model this config
 builds, and what `init_state` needs (an optimizer state and a train state in the parent, trainer.steps
 beyond its step, the same tokens per step and the same data). A branch that scores another held-out set
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from trmoe.config.ladder import hydra_sweep
 from trmoe.config.schema import Config, InitState
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError, shape_difference
@@ -91,10 +94,16 @@ class InitSource:
         return self.state == InitState.branch
 
     def record(self) -> dict[str, Any]:
-        """run_config.json's `init_from`."""
+        """run_config.json's `init_from`: a parent inside the run's Hydra sweep directory (a ladder's stable
+        run) relative to it (`relative_to`: "sweep"), so that a moved sweep still names it; else absolute."""
+        path, run, sweep = self.path.resolve(), self.parent_run.resolve(), hydra_sweep()
+        inside = sweep is not None and Path(sweep[0]).resolve() in run.parents
+        if inside:
+            path, run = path.relative_to(Path(sweep[0]).resolve()), run.relative_to(Path(sweep[0]).resolve())
         return {
-            "path": str(self.path.resolve()),
-            "run": str(self.parent_run.resolve()),
+            "path": str(path),
+            "run": str(run),
+            **({"relative_to": "sweep"} if inside else {}),
             "step": self.step,
             "kind": self.kind,
             "content_hash": self.content_hash,
