@@ -94,7 +94,7 @@ def _by_hand(spec, dense_layers: set[int], routers: set[int]) -> tuple[int, int]
             ],
             {1, 2},
             set(),
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_parameters_are_counted_as_by_hand(overrides, dense, routers):
@@ -182,16 +182,17 @@ def test_hf_export_of_dense_layers_gives_trmoe_logits(tmp_path):
         (["routing.layers=[{first: -1, last: 0, strategy: dense}]"], "routing.layers[0]={first: -1"),
         (
             [
-                "routing.layers=[{first: 0, last: 1, strategy: learned_v3}, {first: 1, last: 1, strategy: dense}]"
+                "routing.layers=[{first: 0, last: 1, strategy: learned_v3}, "
+                "{first: 1, last: 1, strategy: dense}]"
             ],
             "overlaps routing.layers[0] at layer 1",
-        ),  # fmt: skip
+        ),
         (["routing=dense"], "routing.strategy=dense: every layer dense"),
         (["routing.layers=[{first: 0, last: 1, strategy: dense}]"], "routing.layers[0].strategy=dense"),
         (
             [DENSE_0, "model.num_experts=1", "routing.top_k=1", "model.routed_width=0"],
             "routing.layers[0].strategy=dense: a dense layer is widened",
-        ),  # fmt: skip
+        ),
         (["routing=learned_v3", DENSE_0, "routing.combine=learned"], "routing.combine=learned"),
     ],
 )
