@@ -136,6 +136,28 @@ def cached_logits(model, ids: torch.Tensor, chunks: list[int], pad=None) -> torc
     return torch.cat(out, dim=1)
 
 
+def hf_export_differences(model, out: Path, ids: torch.Tensor) -> tuple[float, float]:
+    """`model` exported (python -m trmoe.export's format hf) into the new directory `out` and loaded back by
+    transformers: the largest absolute logit difference from trmoe's over `ids` [B, S], in one forward and
+    decoding the last 3 positions through the exported model's own cache (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from trmoe.export import export
+    from trmoe.load import LoadedModel
+
+    loaded = LoadedModel(model, model.spec, 0, out.parent / "ckpt" / "step_0", {}, torch.device("cpu"))
+    export(loaded, out)
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+        full = (hf(ids).logits - ours).abs().max().item()
+        step = hf(ids[:, :-3], use_cache=True)
+        cached = hf(ids[:, -3:-1], cache=step.cache, use_cache=True)
+        last = hf(ids[:, -1:], cache=cached.cache, use_cache=True).logits
+        decoded = (torch.cat([cached.logits, last], 1) - ours[:, -3:]).abs().max().item()
+    return full, decoded
+
+
 def wait_until(
     condition: Callable[[], bool], what: str, proc: subprocess.Popen, seconds: float = 120
 ) -> None:

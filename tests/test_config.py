@@ -60,6 +60,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         overrides.append(f"routing.embedding={tmp_path / 'embedding.npy'}")
     if (group, option) == ("routing", "distilled"):  # it names its parent run (checked where a run starts)
         overrides.append(f"routing.distill_from={tmp_path}")
+    if (group, option) == ("routing", "dense"):  # a per-layer strategy: every layer dense is refused
+        overrides.append("routing.layers=[{first: 1, last: 1, strategy: balanced_hash}]")
     if group == "data" and option in SOURCES:  # a source's own example of a complete selection
         overrides += SOURCES.get(option).example
     if (group, option) == ("tokenizer", "bpe"):  # a real tokenizer.json; model.vocab_size follows it
@@ -194,8 +196,8 @@ def test_cli_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path: Path
         (["arm=topk/nope"], "Could not find 'arm/topk/nope'; allowed: topk/dense, topk/k1, topk/k2_p050,"),
         (
             ["arm=nope"],
-            "allowed: attention_matched/..., controls_2026/..., hash_vs_learned/..., roller_hash_table/..., "
-            "router_persistence/..., routing_ablation/..., topk/...",
+            "allowed: attention_matched/..., controls_2026/..., first_k/..., hash_vs_learned/..., "
+            "roller_hash_table/..., router_persistence/..., routing_ablation/..., topk/...",
         ),
         (["experiment=topk_smoke", "arm=topk"], "Could not find 'arm/topk'; allowed: topk/dense, topk/k1,"),
         (["trainer.steps=[1"], "trainer.steps=[1: no viable alternative at input '[1'"),

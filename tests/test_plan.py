@@ -144,8 +144,9 @@ def _flop_mapping() -> dict:
         ("attention=mha",),
         ("attention=mqa", "routing.top_k=1"),
         ("model.num_experts=1", "routing.top_k=1"),
+        ("routing.layers=[{first: 1, last: 1, strategy: dense}]",),
     ],
-    ids=["tiny-gqa-top2", "mha", "mqa-top1", "dense-control"],
+    ids=["tiny-gqa-top2", "mha", "mqa-top1", "dense-control", "dense-layer"],
 )
 def test_flops_per_token_equal_torch_flop_counter_per_profile(variant):
     """model/flops.py against torch.utils.flop_counter.FlopCounterMode on a real forward and backward, per
@@ -202,6 +203,8 @@ def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor, amp: bool) -> int:
         (["trainer.shared_chunk_tokens=32"], False),
         (["model.num_experts=1", "routing.top_k=1"], False),
         (["model.num_experts=1", "routing.top_k=1"], True),  # CPU autocast covers the dense path
+        (["routing.layers=[{first: 0, last: 0, strategy: dense}]"], False),  # a dense layer, a routed one
+        (["routing.layers=[{first: 1, last: 1, strategy: dense}]", "trainer.shared_chunk_tokens=32"], False),
     ],
 )
 def test_activation_estimate_matches_what_autograd_saves(overrides, amp):
@@ -217,9 +220,8 @@ def test_activation_estimate_matches_what_autograd_saves(overrides, amp):
     large = _saved_bytes(model, torch.randint(0, 512, (4, seq)), amp)
     measured = (large - small) / (2 * seq)
     chunked = cfg.trainer.shared_chunk_tokens > 0
-    expected = (
-        spec.num_layers * layer_activation_bytes(spec, 2 if amp else 4, chunked) + 2 * 4 * spec.hidden_size
-    )
+    layers = sum(layer_activation_bytes(spec, 2 if amp else 4, chunked, i) for i in range(spec.num_layers))
+    expected = layers + 2 * 4 * spec.hidden_size
     assert measured == pytest.approx(expected, rel=0.04), "trmoe.plan.memory.layer_activation_bytes is stale"
 
 

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_run, cli, compose_config, killed_and_resumed, metrics_rows
+from helpers import (
+    assert_same_run,
+    cli,
+    compose_config,
+    hf_export_differences,
+    killed_and_resumed,
+    metrics_rows,
+)
 from presets import RANDOM_IDS_CPU
 
 from trmoe.config.param_match import solve_match
@@ -160,17 +167,22 @@ def test_learned_combine_gate_is_counted_and_matched_exactly():
     assert parameter_counts(matched).total == target
 
 
-def test_hf_export_refuses_a_learned_combine_and_writes_nothing(tmp_path):
-    """The exported model code weighs routes by p only: it refuses the gate instead of dropping it."""
-    from trmoe.errors import UserError
-    from trmoe.export import export
-    from trmoe.load import LoadedModel
-
-    spec = _spec("routing=balanced_hash", "routing.combine=learned")
-    loaded = LoadedModel(TRMoETransformer(spec), spec, 1, tmp_path / "ckpt", {}, torch.device("cpu"))
-    with pytest.raises(UserError, match="routing.combine=learned") as info:
-        export(loaded, tmp_path / "out")
-    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+def test_hf_export_of_a_learned_combine_gives_trmoe_logits(tmp_path):
+    """The gate is a plain linear layer: the exported model code computes the same w_k (config.json's
+    "combine": "learned"), so its logits equal trmoe's, with and without its KV cache."""
+    pytest.importorskip("transformers")
+    for strategy in ("balanced_hash", "bigram_hash"):  # a table, and a hashed key
+        torch.manual_seed(0)
+        model = TRMoETransformer(_spec(f"routing={strategy}", "routing.combine=learned")).eval()
+        with torch.no_grad():  # gate rows far from their init: weights far from 1/K
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.3 if p.ndim == 2 else 0.0)
+        ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+        full, decoded = hf_export_differences(model, tmp_path / strategy, ids)
+        config = json.loads((tmp_path / strategy / "config.json").read_text())
+        assert config["combine"] == "learned" and config["dense_layers"] == []
+        print(f"hf export vs trmoe, combine=learned over {strategy}: {full:.1e} / cached {decoded:.1e}")
+        assert full < 1e-4 and decoded < 1e-4, strategy
 
 
 # ------------------------------------------------------------------------------------------- the guard

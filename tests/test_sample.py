@@ -38,6 +38,7 @@ def _model(*overrides: str) -> TRMoETransformer:
         ("routing=hybrid_first_k",),  # a table in layer 0, a learned router above
         ("routing=learned_v3",),  # sigmoid scores plus its (perturbed, non-zero) balancing bias
         ("routing=balanced_hash", "routing.combine=learned"),  # the table's routes, a learned combine gate
+        ("routing=learned_v3", "routing.layers=[{first: 0, last: 0, strategy: dense}]"),  # a dense layer 0
     ],
 )
 def test_kv_cache_gives_the_full_forward_logits_at_every_position(overrides):

@@ -5,7 +5,8 @@ The arms are every combination of the grid's `hydra.sweeper.params` (from `exper
 comma-separated sweep overrides on the command line (`attention=gqa,mha`), each extended by every `--arm`
 (a quoted list of overrides, split as a shell splits a command line: `--arm "data.text_path='my corpus.txt'"`)
 when some are given. Each arm is composed and resolved exactly as `python -m trmoe.train` would do it, so
-`model.match_params` is solved per arm:
+`model.match_params` is solved per arm (on the total, or with model.match_count=active on the active
+parameters: the "solved" column says "(active)" and the residual is then of the active count):
 
     python -m trmoe.match experiment=attention_matched
     python -m trmoe.match model=100m model.gates=false model.match_params=99487680 \
@@ -55,7 +56,8 @@ def _ffn_text(spec) -> str:
         spans, layer = [], 0
         for name, run in itertools.groupby(spec.strategies):
             n = len(list(run))
-            spans.append(f"{layer}-{layer + n - 1}:{name}" if n > 1 else f"{layer}:{name}")
+            what = f"dense {spec.dense_width}" if REGISTRY[name].dense else name  # a dense layer's width
+            spans.append(f"{layer}-{layer + n - 1}:{what}" if n > 1 else f"{layer}:{what}")
             layer += n
         routes += ", " + " ".join(spans)
     elif REGISTRY[spec.strategy].learned:  # one router strategy in every layer: its name
@@ -116,6 +118,8 @@ def render(rows: list[dict]) -> str:
             continue
         m = row["match"]
         solved = "-" if m is None else f"{m['field']}={m['width']}"
+        if m is not None and m["count"] == "active":  # model.match_count=active: the residual is of active
+            solved += " (active)"
         residual = "-" if m is None else ("0 (exact)" if m["residual"] == 0 else f"{m['residual']:+,}")
         table.append(
             [label, row["attention"], row["ffn"], solved, residual, f"{row['total']:,}", f"{row['active']:,}"]

@@ -1,11 +1,18 @@
 """Parameter matching: solve one FFN width so the whole model has a target number of trainable parameters.
 
 Every arm of a matched grid names the same `model.match_params`; each solves its own width
-(`model.match_field`, a multiple of `model.match_multiple`) at config-resolution time. The total parameter
+(`model.match_field`, a multiple of `model.match_multiple`) at config-resolution time. `model.match_count`
+says which count is matched: `total` (every trainable parameter; the default) or `active` (the parameters a
+token uses: a routed layer's K of E experts, its router or combine gate, every dense layer whole). Either
 count is linear in either width (for width > 0: a SwiGLU of width W over hidden size H holds 3·H·W weights
-per layer), so two counts give the slope and the solution follows directly:
+per layer, of which a routed expert's K/E are active), so two counts give the slope and the solution follows
+directly:
 
-    total(W) = base + slope · W / step          W = step · round((target - base) / slope)
+    count(W) = base + slope · W / step          W = step · round((target - base) / slope)
+
+Grids that mix dense layers (routing.layers' `dense`) with routed ones match `active`: a dense layer has the
+routed layer's active FFN (shared + K x expert width) but not its E - K idle experts, so a total match would
+widen it far past the routed layers' compute.
 
 Counts come from `parameter_counts(model_spec(cfg))` (the model built on the meta device), never from a
 formula kept in step by hand. The solution is exact when the target lies on the grid of multiples, else the
@@ -17,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from trmoe.config.schema import Config, MatchField
+from trmoe.config.schema import Config, MatchCount, MatchField
 from trmoe.config.spec import model_spec
 from trmoe.errors import UserError
 
@@ -26,11 +33,12 @@ from trmoe.errors import UserError
 class MatchSolution:
     target: int  # model.match_params
     field: str  # the solved key, "shared_width" or "routed_width"
+    count: str  # the matched count, "total" or "active" (model.match_count)
     width: int  # the solved value of model.<field>
     step: int  # the width grid: match_multiple, or lcm(match_multiple, num_experts) for routed_width
     total: int  # trainable parameters at the solved width
     active: int  # parameters a token uses at the solved width
-    residual: int  # total - target; 0 when exact
+    residual: int  # the matched count - target; 0 when exact
 
     @property
     def exact(self) -> bool:
@@ -41,7 +49,8 @@ class MatchSolution:
 
     def describe(self) -> str:
         how = "exact" if self.exact else f"closest multiple of {self.step}, residual {self.residual:+,}"
-        return f"model.{self.field}={self.width} for {self.target:,} parameters ({how})"
+        what = "parameters" if self.count == "total" else "active parameters"
+        return f"model.{self.field}={self.width} for {self.target:,} {what} ({how})"
 
 
 def _with_width(cfg: Config, field: str, width: int) -> Config:
@@ -77,17 +86,18 @@ def solve_match(cfg: Config) -> MatchSolution | None:
     if m.match_params is None:
         return None
     field = MatchField(m.match_field).value
+    count = MatchCount(m.match_count).value
     step = width_step(cfg)
     target = m.match_params
 
-    low, high = _counts(cfg, field, step).total, _counts(cfg, field, 2 * step).total
+    low, high = (getattr(_counts(cfg, field, w), count) for w in (step, 2 * step))
     slope = high - low  # parameters per `step` of width
     if slope <= 0:  # cannot happen for a SwiGLU width; guards the division below
         raise UserError(f"config error: model.match_field={field}: the parameter count does not grow with it")
     if target < low:
         raise UserError(
             f"config error: model.match_params={target}: below the smallest model with model.{field}="
-            f"{step} ({low:,} parameters); allowed: >= {low}"
+            f"{step} ({low:,} {count} parameters); allowed: >= {low}"
         )
     base = low - slope  # the line through the two counts, extended to width 0
     k = (target - base) / slope
@@ -97,11 +107,12 @@ def solve_match(cfg: Config) -> MatchSolution | None:
         candidate = MatchSolution(
             target=target,
             field=field,
+            count=count,
             width=steps * step,
             step=step,
             total=counts.total,
             active=counts.active,
-            residual=counts.total - target,
+            residual=getattr(counts, count) - target,
         )
         # The smaller |residual| wins; on a tie, the model below the target.
         if best is None or (abs(candidate.residual), candidate.residual) < (

@@ -69,6 +69,11 @@ class MatchField(str, Enum):
     routed_width = "routed_width"  # solve the total routed width (a multiple of num_experts too)
 
 
+class MatchCount(str, Enum):
+    total = "total"  # every trainable parameter (the tied embedding once): a grid's memory and capacity
+    active = "active"  # the parameters a token uses (a routed layer's K of E experts): a grid's compute
+
+
 class SampleOrder(str, Enum):
     sequential = "sequential"
     shuffled = "shuffled"
@@ -258,8 +263,9 @@ class ModelConfig:
     mup_base_width: int | None = None  # mup: the hidden size the hyper-parameters were tuned at (required)
     mup_base_shared_width: int | None = None  # mup: shared_width tuned at; None = shared_width x base/hidden
     mup_base_routed_width: int | None = None  # mup: routed_width tuned at (same E; k x E); None = as shared
-    match_params: int | None = None  # solve model.match_field so that total parameters equal this; None = off
+    match_params: int | None = None  # solve model.match_field so that the match_count equals this; None = off
     match_field: MatchField = MatchField.shared_width  # the width match_params solves (profile value ignored)
+    match_count: MatchCount = MatchCount.total  # which count match_params sets: total or active parameters
     match_multiple: int = 16  # the solved width is a multiple of this (routed_width: and of num_experts)
 
 

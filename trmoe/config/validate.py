@@ -497,6 +497,34 @@ def _validate_distill(cfg: Config, names: list[str]) -> None:
         _fail("routing.distill_from", r.distill_from, f"no such file or directory; allowed: {allowed}")
 
 
+def _validate_dense(cfg: Config, names: list[str]) -> None:
+    """`dense` layers (routing.layers): the shared expert widened by K routed experts' width, so there must be
+    routed experts to take the width from, and some layer that still routes (a model of dense layers only is
+    the dense control: model.routed_width=0)."""
+    m, r = cfg.model, cfg.routing
+    if not any(REGISTRY[name].dense for name in names):
+        return
+    key = "routing.strategy"
+    if r.strategy.value != "dense":
+        first = next(i for i, e in enumerate(r.layers) if RoutingStrategy(e.strategy).value == "dense")
+        key = f"routing.layers[{first}].strategy"
+    value = "dense"
+    if all(REGISTRY[name].dense for name in names):
+        _fail(
+            key,
+            value,
+            "every layer dense: that is the dense control (model.num_experts=1 routing.top_k=1 "
+            "model.routed_width=0); allowed: dense in some layers (routing.layers), routed in the others",
+        )
+    if m.routed_width == 0 or m.num_experts < 2:
+        _fail(
+            key,
+            value,
+            "a dense layer is widened by K routed experts' width: needs model.num_experts >= 2 and "
+            f"model.routed_width > 0 (here {m.num_experts} and {m.routed_width})",
+        )
+
+
 def _validate_strategy(cfg: Config) -> None:
     """What the routing strategies of the layers need (trmoe/model/routing.py REGISTRY)."""
     m, r = cfg.model, cfg.routing
@@ -504,12 +532,14 @@ def _validate_strategy(cfg: Config) -> None:
         if getattr(r, key) < 0:
             _fail(f"routing.{key}", getattr(r, key), "must be >= 0 (0 = off)")
     names = list(dict.fromkeys(layer_strategies(cfg)))
+    _validate_dense(cfg, names)
     if r.combine.value == "learned":
-        if all(REGISTRY[name].learned for name in names):
+        if not any(REGISTRY[name].fixed_routes for name in names):
+            router = next(name for name in names if not REGISTRY[name].dense)
             _fail(
                 "routing.combine",
                 "learned",
-                f"routing.strategy={names[0]} is a router (its combine weights are its own); allowed: "
+                f"routing.strategy={router} is a router (its combine weights are its own); allowed: "
                 "routing.combine=fixed, or a route-table strategy (in some layers: routing.layers)",
             )
         if m.routed_width == 0 or m.num_experts < 2 or r.top_k < 2:

@@ -2,7 +2,9 @@
 
 format "hf": a Hugging Face directory that transformers loads offline with
 `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and `AutoTokenizer.from_pretrained(dir)`:
-    config.json               TRMoEConfig, with auto_map naming the two files below
+    config.json               TRMoEConfig, with auto_map naming the two files below (its `combine` and
+                              `dense_layers` say which layers learn their combine weights, routing.combine,
+                              and which are dense, routing.layers)
     model.safetensors         every weight and each layer's route table (model.<trmoe name>)
     generation_config.json    end-of-text id (the length bound: max_position_embeddings)
     configuration_trmoe.py    standalone (torch + transformers; importable without trmoe)
@@ -71,6 +73,8 @@ def hf_config(loaded: LoadedModel, eos_id: int | None = None) -> dict:
         "routed_scales": list(s.routed_scales),
         "routing_strategy": s.strategy,
         **_route_key(loaded),
+        "combine": s.combine,
+        "dense_layers": [layer for layer in range(s.num_layers) if s.is_dense(layer)],
         "rms_norm_eps": s.norm_eps,
         "bos_token_id": eos,
         "eos_token_id": eos,
@@ -88,7 +92,7 @@ def _route_key(loaded: LoadedModel) -> dict:
     """config.json's route_key (what every layer routes on) and, for a hashed key, each layer's salt."""
     from trmoe.model.routing import layer_salt
 
-    keys = {block.ffn.route_key for block in loaded.model.blocks}
+    keys = {block.ffn.route_key for block in loaded.model.blocks if block.ffn.routed is not None} or {"token"}
     if len(keys) != 1:
         raise UserError(
             f"--format hf: {loaded.checkpoint} routes its layers on different keys {sorted(keys)}"
@@ -245,13 +249,6 @@ def export(loaded: LoadedModel, out: Path, fmt: str = "hf") -> Path:
         raise UserError(
             f"--format hf: {loaded.checkpoint} routes with a router (routing.strategy={routers[0]}); the "
             "exported model code supports fixed route tables only; allowed: --format safetensors"
-        )
-    if fmt == "hf" and loaded.spec.combine != "fixed":
-        # the exported model code weighs routes by p only: a gate it does not read would change the logits
-        raise UserError(
-            f"--format hf: {loaded.checkpoint} learns its combine weights (routing.combine="
-            f"{loaded.spec.combine}); the exported model code supports routing.combine=fixed only; allowed: "
-            "--format safetensors"
         )
     loaded.model.refuse_analysis_only(f"export of {loaded.checkpoint}")
     if fmt == "hf" and loaded.text_vocab:

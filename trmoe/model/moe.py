@@ -31,6 +31,17 @@ a bias-free linear gate W_g [E, H] of the layer (TRMoEFFN._combine):
 and the rows go by expert. No loss term reads the gate: only the cross-entropy trains it (a table layer
 never carries a balance or z loss; TRMoETransformer.router_losses refuses one).
 
+A dense layer (routing.layers' `dense`, DeepSeek's first_k_dense_replace) has no routed branch; its FFN is one
+SwiGLU of the routed layer's active width:
+
+    y = a * S'(x),   width(S') = shared_width + K * routed_width / E
+
+so it holds exactly the FFN weights a token passes through in a routed layer (3 H (S + K W_e)): the two kinds
+of layer have equal active parameters (a routed layer's router or combine gate, E x H, is its own extra: the
+count shows it). Its total is smaller by the (E - K) experts a token does not visit. Its weights are the
+shared expert's (`ffn.shared.*`: the shared parameter group, the residual-writer init on w_out); it has no
+gates (there is no second branch to weigh) and its scale is the layer's shared scale a.
+
 Over 400 lines on purpose: the FFN's formula, its two dispatch paths and the learned router share the
 branch's weights and gates; they are read together to check that both paths compute the formula above.
 """
@@ -383,8 +394,9 @@ class TRMoEFFN(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
-        self.shared = SharedExpert(spec.hidden_size, spec.shared_width) if spec.shared_width > 0 else None
-        self.routed = RoutedExperts(spec, layer) if spec.routed_width > 0 else None
+        shared_width = spec.shared_width_of(layer)  # a dense layer: widened to the routed active width
+        self.shared = SharedExpert(spec.hidden_size, shared_width) if shared_width > 0 else None
+        self.routed = RoutedExperts(spec, layer) if spec.routed_width_of(layer) > 0 else None
         entry = REGISTRY[spec.strategy_of(layer)]
         kind = entry.router if self.routed is not None else ""
         self.router_kind = kind  # "" (a route table), "trained", "frozen" or "rerandomised"

@@ -15,13 +15,15 @@ A hidden matrix (finite fan-in and fan-out both grow with width) with fan-in mul
     weight_decay = weight_decay * m     (torch multiplies the decay by lr: lr * wd stays the base's)
 
 fan-in multipliers: qkv, attention out, shared w_in and routed w_in read the hidden state (m_d); shared w_out
-reads the shared width (m_s); routed w_out reads one expert's width (m_r). The tied embedding is the input
-layer (vector-like: init std and lr unchanged) and also the readout: the readout's 1/m_d multiplier goes on
-the final hidden state (logits = (RMSNorm(h) / m_d) @ E^T), which keeps the readout's weight vector-like as
-microsoft/mup's MuSharedReadout does. Attention logits are q.k * sqrt(d_0) / d (1/d scaling, equal to SP's
-1/sqrt(d) at the base head dim d_0 = mup_base_width / num_heads). Norm weights, the scalar gates g_s, g_r
-and the fixed per-layer scales a, b have no width dimension: unchanged. Depth is not a muP dimension here:
-the residual writers keep their 1/sqrt(2L) init factor. docs/mup.md tabulates all of it.
+reads the shared width (m_s); routed w_out reads one expert's width (m_r). A dense layer's widened shared
+expert (width S + K W_e, trmoe/model/moe.py) has its own base, the same sum at the base shape: its w_out's
+multiplier is m_dense = (S + K W_e) / (S / m_s + K W_e / m_r) (= m_d with the default bases). The tied
+embedding is the input layer (vector-like: init std and lr unchanged) and also the readout: the readout's
+1/m_d multiplier goes on the final hidden state (logits = (RMSNorm(h) / m_d) @ E^T), which keeps the readout's
+weight vector-like as microsoft/mup's MuSharedReadout does. Attention logits are q.k * sqrt(d_0) / d (1/d
+scaling, equal to SP's 1/sqrt(d) at the base head dim d_0 = mup_base_width / num_heads). Norm weights, the
+scalar gates g_s, g_r and the fixed per-layer scales a, b have no width dimension: unchanged. Depth is not a
+muP dimension here: the residual writers keep their 1/sqrt(2L) init factor. docs/mup.md tabulates all of it.
 
 With every multiplier 1 (parametrization=sp, or mup at the base shape) the model is exactly the sp model.
 """
@@ -29,11 +31,21 @@ With every multiplier 1 (parametrization=sp, or mup at the base shape) the model
 from __future__ import annotations
 
 import math
+import re
 
 from trmoe.model.spec import ModelSpec
 
 # parameter-name suffixes of the hidden matrices, by the width their fan-in follows
 _READS_HIDDEN = ("attn.qkv.weight", "attn.out.weight", "shared.w_in", "routed.w_in")
+_LAYER = re.compile(r"blocks\.(\d+)\.ffn\.shared\.w_out$")
+
+
+def dense_mult(spec: ModelSpec) -> float:
+    """m_dense of the module docstring: a dense layer's SwiGLU width over its width at the base shape."""
+    base = spec.top_k * spec.expert_width / spec.mup_routed_mult
+    if spec.shared_width:
+        base += spec.shared_width / spec.mup_shared_mult
+    return spec.dense_width / base
 
 
 def fan_in_mult(name: str, spec: ModelSpec) -> float:
@@ -44,6 +56,9 @@ def fan_in_mult(name: str, spec: ModelSpec) -> float:
     if name.endswith(_READS_HIDDEN):
         return spec.mup_width_mult
     if name.endswith("shared.w_out"):
+        layer = _LAYER.search(name)
+        if layer is not None and spec.is_dense(int(layer.group(1))):
+            return dense_mult(spec)
         return spec.mup_shared_mult
     if name.endswith("routed.w_out"):
         return spec.mup_routed_mult

@@ -63,8 +63,10 @@ Every strategy with fixed routes (a table or a hashed key) may learn its combine
 seed: it is counted from a trained router's choices over training tokens (the formula:
 trmoe/model/distill.py) and handed to ``build_route_table`` as ``routes``; until a run sets it the model
 holds the table of ``balanced_hash`` (the rule for token ids the pass never saw).
-``REGISTRY`` is the one list of strategies: the config schema, its
-validation and docs/routing.md read it.
+``dense`` routes nothing: a layer of it (inside ``routing.layers``; DeepSeek's ``first_k_dense_replace``)
+has no routed experts, its FFN is the shared SwiGLU widened to the routed layer's active width
+``shared_width + K * expert_width`` (trmoe/model/moe.py). ``REGISTRY`` is the one list of strategies: the
+config schema, its validation and docs/routing.md read it.
 
 Balance bounds (max/mean and min/mean of the per-expert counts of every route slot, and of all
 slots summed, at ``V = 200,019``, ``E = 4``, ``K = 2``, layers 0..3, checked by the tests):
@@ -482,11 +484,19 @@ class Strategy:
     # routers only: "softmax" (P = softmax(x W_r^T), Switch-style aux + z losses) or "sigmoid_bias"
     # (DeepSeek-V3: sigmoid scores, top-K on scores + a balancing bias, optional sequence-wise loss)
     scoring: str = "softmax"
+    # no routed experts at all: the layer's FFN is the shared expert widened to the routed layers' active
+    # width (`dense`, a per-layer strategy: routing.layers; trmoe/model/moe.py)
+    dense: bool = False
 
     @property
     def learned(self) -> bool:
         """Routes by a router over the hidden state (trained, frozen or re-randomised)."""
         return self.key is None
+
+    @property
+    def fixed_routes(self) -> bool:
+        """Routes by a fixed function of a key (a route table or a hashed key): no router, not dense."""
+        return self.key is not None and not self.dense
 
     @property
     def hashed(self) -> bool:
@@ -651,6 +661,14 @@ _BUILTIN: dict[str, Strategy] = {
         key=None,
         router="rerandomised",
     ),
+    "dense": Strategy(
+        None,
+        "n/a: no routed experts (the shared expert widened to S + K x W_e)",
+        "a per-layer strategy (routing.layers): dense where it is set",
+        "none",
+        "new: DeepSeek's first_k_dense_replace (arXiv 2401.06066, 2412.19437); Marin #4022, #4040",
+        dense=True,
+    ),
 }
 
 
@@ -661,7 +679,13 @@ def _check_plugin(strategy: Any) -> None:
         raise TypeError(
             f"a routing plug-in must be a trmoe.model.routing.Strategy, got {type(strategy).__name__}"
         )
-    if not strategy.has_table or strategy.key != "token" or strategy.analysis_only or strategy.router:
+    if (
+        not strategy.has_table
+        or strategy.key != "token"
+        or strategy.analysis_only
+        or strategy.router
+        or strategy.dense
+    ):
         raise ValueError("a routing plug-in must be a route table (build set, key 'token', no router)")
 
 
@@ -690,7 +714,7 @@ def strategy_table() -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, s in _BUILTIN.items():  # trmoe's own: a user's plug-ins do not change its docs
-        nested = "n/a" if s.learned else ("yes" if s.nested_k else "no")
+        nested = "n/a" if s.learned or s.dense else ("yes" if s.nested_k else "no")
         rows.append(f"| `{name}` | {s.balance} | {s.layers} | {s.tuples} | {nested} | {s.origin} |")
     return "\n".join(rows) + "\n"
 

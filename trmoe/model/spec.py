@@ -50,6 +50,25 @@ class ModelSpec:
         """The routing strategy of layer `layer` (routing.layers, else routing.strategy)."""
         return self.layer_strategies[layer] if self.layer_strategies else self.strategy
 
+    def is_dense(self, layer: int) -> bool:
+        """Layer `layer` is a dense layer (routing.layers' `dense`): no routed experts, the shared expert
+        widened to `dense_width`."""
+        return self.strategy_of(layer) == "dense"
+
+    @property
+    def dense_width(self) -> int:
+        """A dense layer's SwiGLU width: shared_width + K x expert_width, the FFN weights a token of a routed
+        layer passes through (trmoe/model/moe.py), so both kinds of layer have the same active FFN."""
+        return self.shared_width + self.top_k * self.expert_width
+
+    def shared_width_of(self, layer: int) -> int:
+        """The width of layer `layer`'s shared SwiGLU: dense_width in a dense layer, else shared_width."""
+        return self.dense_width if self.is_dense(layer) else self.shared_width
+
+    def routed_width_of(self, layer: int) -> int:
+        """The total routed width of layer `layer`: 0 in a dense layer, else routed_width."""
+        return 0 if self.is_dense(layer) else self.routed_width
+
     @property
     def strategies(self) -> tuple[str, ...]:
         """Every layer's routing strategy, in layer order."""

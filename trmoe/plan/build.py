@@ -263,17 +263,23 @@ def routing_plan(cfg: Config, spec) -> dict:
 
     # routing.layers: every strategy named once, in layer order; the balance is the first table layer's
     names = list(dict.fromkeys(spec.strategies))
-    layer = next((i for i, name in enumerate(spec.strategies) if REGISTRY[name].has_table), 0)
+    # a dense layer routes nothing: the first routed layer says what the run routes on
+    routed = [i for i, name in enumerate(spec.strategies) if not REGISTRY[name].dense] or [0]
+    layer = next((i for i in routed if REGISTRY[spec.strategy_of(i)].has_table), routed[0])
     entry = REGISTRY[spec.strategy_of(layer)]
+    dense = [i for i, name in enumerate(spec.strategies) if REGISTRY[name].dense]
+    routes_on = "the hidden state (a learned router)" if entry.learned else f"the {entry.key} id"
+    if entry.key == "position":
+        routes_on = "the position"
+    if dense:
+        routes_on += f"; layers {_spans(dense)} dense (no routed experts, shared width {spec.dense_width})"
     out = {
         "strategy": ",".join(names),
-        "routes_on": "the hidden state (a learned router)" if entry.learned else f"the {entry.key} id",
+        "routes_on": routes_on,
         "analysis_only": any(REGISTRY[name].analysis_only for name in names),
         "ids": None,
         "occurrences": None,
     }
-    if entry.key == "position":
-        out["routes_on"] = "the position"
     if not entry.has_table or entry.distilled or spec.routed_width == 0 or spec.num_experts < 2:
         return out  # (distilled: its table is counted at the run's start, from its parent: trmoe.distill)
     path = frequencies_path(cfg)
@@ -295,6 +301,17 @@ def routing_plan(cfg: Config, spec) -> dict:
     if counts is not None:
         out["occurrences"] = balance_stats(table, spec.num_experts, counts)
     return out
+
+
+def _spans(layers: list[int]) -> str:
+    """Sorted layer indices as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 MODEL_KEYS = (

@@ -64,12 +64,13 @@ def layer_activation_bytes(
     if spec.qk_norm:
         attn += f * (q + kv) * (2 if amp else 1)
     ffn = 2 * f * h  # the FFN norm
-    if spec.shared_width:
+    shared = spec.shared_width_of(layer)  # a dense layer: the widened shared SwiGLU, no routed branch
+    if shared:
         if shared_chunked:  # the chunks' inputs (views of the fp32 normed input); each chunk is recomputed
             ffn += f * h
         else:  # GEMM input, SwiGLU [gate | up], silu(gate), silu(gate) * up
-            ffn += a * h + 4 * a * spec.shared_width
-    if spec.routed_width:
+            ffn += a * h + 4 * a * shared
+    if spec.routed_width_of(layer):
         if spec.num_experts == 1:  # dense control: the plain SwiGLU (its input is the shared one in fp32)
             ffn += (a * h if amp or not spec.shared_width else 0) + 4 * a * spec.routed_width
         elif groups_by_tuple(
@@ -99,7 +100,8 @@ def activation_bytes(spec: ModelSpec, cfg: Config, compute_bytes: int) -> int:
     t = cfg.trainer
     tokens = micro_batch_tokens(t)
     chunk = t.shared_chunk_tokens
-    chunked = bool(spec.shared_width) and 0 < chunk < tokens
+    widest = max(spec.shared_width_of(layer) for layer in range(spec.num_layers))  # a dense layer's, if any
+    chunked = bool(widest) and 0 < chunk < tokens
     layers = [layer_activation_bytes(spec, compute_bytes, chunked, layer) for layer in range(spec.num_layers)]
     total = tokens * final_activation_bytes(spec)
     if t.activation_checkpointing:  # block inputs (fp32 residual stream) + one block recomputed (the largest)
@@ -107,7 +109,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, compute_bytes: int) -> int:
     else:
         total += tokens * sum(layers)
     if chunked:  # one shared-expert chunk recomputed in the backward
-        total += chunk * (compute_bytes * spec.hidden_size + 4 * compute_bytes * spec.shared_width)
+        total += chunk * (compute_bytes * spec.hidden_size + 4 * compute_bytes * widest)
     return total
 
 

@@ -36,7 +36,7 @@ ITEMS = {
     "throughput": "Throughput interval",
     "other": "Everything else (model, attention, routing, loss, code version)",
 }
-CRITICAL = ("total_tokens", "params.total", "eval.steps", "derived.eval_windows")
+CRITICAL = ("total_tokens", "params.total", "params.active", "eval.steps", "derived.eval_windows")
 CONFIG_DERIVED_BACKEND = ("backend.device", "backend.autocast_dtype", "backend.deterministic")
 BUDGET_KEYS = (
     "total_tokens",
@@ -83,7 +83,7 @@ def item_of(key: str) -> str:
         return "data"
     if key in BUDGET_KEYS:
         return "budget"
-    if key == "params.total":
+    if key in ("params.total", "params.active"):
         return "params"
     if key.startswith(("config.optimizer.", "controls.optimizer_groups", "controls.schedules.")):
         return "optimizer"
@@ -129,8 +129,11 @@ def facts(run: Run, summary: Summary) -> dict[str, str]:
     for key in ("total_tokens", "tokens_per_step", "world_size"):
         if key in rec:
             out[key] = str(rec[key])
-    if (rec.get("params") or {}).get("total") is not None:
-        out["params.total"] = str(rec["params"]["total"])
+    # the count the grid matched (model.match_count): a grid matched on active parameters (dense and routed
+    # layers, experiment=first_k) differs in its totals by design
+    count = (rec.get("param_match") or {}).get("count") or "total"
+    if (rec.get("params") or {}).get(count) is not None:
+        out[f"params.{count}"] = str(rec["params"][count])
     if run.status == FINISHED:  # an unfinished run has not reached every evaluation yet
         out["eval.steps"] = str([int(s) for s, _, _ in run.series("eval_loss")])
         steps = summary.tok_s_rows
@@ -215,8 +218,8 @@ def _same_detail(item: str, common: dict[str, str], arms: list[Arm]) -> str:
             else "n/a"
         )
     if item == "params":
-        total = get("params.total")
-        return f"{int(total):,}" if total else "n/a"
+        total, active = get("params.total"), get("params.active")
+        return f"{int(total):,}" if total else f"{int(active):,} active" if active else "n/a"
     if item == "optimizer":
         return (
             f"{get('config.optimizer.name', 'n/a')}, lr {get('config.optimizer.lr', 'n/a')}, schedule "

@@ -15,7 +15,10 @@ arm's compute for the arm's loss) and ρ the throughput ratio (tokens/s of the a
 k comes from the Scaling section's fits when the arm's runs are a ladder's (at the control's largest rung),
 else from matched-FLOP loss curves per seed: C_arm = FLOPs/token × tokens at the arm's final evaluation,
 C_ctrl = where the control's held-out loss curve (its running minimum, linear in log C between evaluations)
-first reaches the arm's final loss; k = C_ctrl / C_arm. ρ per seed = exp(mean over the logging windows both
+first reaches the arm's final loss; k = C_ctrl / C_arm. An arm whose final loss is below anything the
+control reached is measured at the control's lowest loss L_c instead: k = C_ctrl(L_c) / C_arm(L_c), C_arm(L_c)
+where the arm's own curve first reaches L_c (the compute the arm saves for the control's result; noted per
+seed). ρ per seed = exp(mean over the logging windows both
 runs logged of log(tok/s arm ÷ tok/s control)) — the same steps, warm-up and evaluation rows left out
 (trmoe.report.summary.throughput_rows), tok/s being training time only (no evaluation, no checkpoint). ρ is
 refused, with the reason, when the two runs differ in hardware (device, its name, world size), CPU threads,
@@ -194,18 +197,33 @@ def matched_flop_multiplier(arm: Run, arm_summary: Summary, control: Run) -> flo
         return "no final held-out loss and tokens"
     log_arm = math.log(fpt * tokens)
     if loss < curve[-1][1]:
-        return (
-            f"the arm's loss is below the control's lowest (k > {math.exp(curve[-1][0] - log_arm):.3g}; "
-            "a longer control run or a ladder measures it)"
-        )
+        return _at_control_lowest(arm, curve, log_arm)
     if loss >= curve[0][1]:
         bound = math.exp(curve[0][0] - log_arm)
         return f"the control reached the arm's loss by its first evaluation (k ≤ {bound:.3g})"
+    return math.exp(_first_reach(curve, loss) - log_arm)
+
+
+def _first_reach(curve: list[tuple[float, float]], loss: float) -> float:
+    """log C at which a running-minimum curve first reaches `loss` (at or above its last point's loss, below
+    its first), linear between evaluations."""
     for (c0, l0), (c1, l1) in zip(curve, curve[1:], strict=False):
         if l1 <= loss:
-            at = c1 if l0 == l1 else c0 + (c1 - c0) * (l0 - loss) / (l0 - l1)
-            return math.exp(at - log_arm)
+            return c1 if l0 == l1 else c0 + (c1 - c0) * (l0 - loss) / (l0 - l1)
     raise AssertionError("unreachable: the curve's last point is at or below the loss")
+
+
+def _at_control_lowest(arm: Run, curve: list[tuple[float, float]], log_arm: float) -> float | str:
+    """k of an arm below the control's lowest loss L_c, measured at L_c (module docstring), or why not."""
+    lowest, mine = curve[-1][1], _log_curve(arm) or []
+    bound = math.exp(curve[-1][0] - log_arm)
+    if len(curve) < 2 or not mine or mine[0][1] <= lowest:
+        return (
+            f"the arm's loss is below the control's lowest, and its own curve is there by its first "
+            f"evaluation (k > {bound:.3g}; a longer control run or a ladder measures it)"
+        )
+    at_ctrl = curve[0][0] if curve[0][1] <= lowest else _first_reach(curve, lowest)
+    return math.exp(at_ctrl - _first_reach(mine, lowest))
 
 
 Est = tuple[float, float | None, float | None]  # value, 95% interval low, high (None: no interval)
@@ -255,10 +273,13 @@ def speedups(
             continue
         sp, mine = Speedup(arm), _by_seed(arm, summaries)
         sp.seeds = sorted(set(mine) & set(base))
-        k_logs, rho_logs, windows = [], [], []
+        k_logs, rho_logs, windows, lowest = [], [], [], []
         for seed in sp.seeds:
             a, c = mine[seed], base[seed]
             k = matched_flop_multiplier(a, summaries[a.name], c)
+            curve, final = _log_curve(c), summaries[a.name].final_eval
+            if isinstance(k, float) and curve and final is not None and final < curve[-1][1]:
+                lowest.append(seed)  # measured at the control's lowest loss, not the arm's final
             why = speed_mismatch(a, c)
             logs = [] if why else window_log_ratios(a, c)
             rho: float | str = (
@@ -276,6 +297,7 @@ def speedups(
                 windows.append(logs)
         notes = {f"seed {s}: k: {k}" for s, k, _ in sp.per_seed if isinstance(k, str)}
         notes |= {f"seed {s}: throughput ratio {r}" for s, _, r in sp.per_seed if isinstance(r, str)}
+        notes |= {f"seed {s}: k at the control's lowest loss (the arm's final is below it)" for s in lowest}
         sp.notes = sorted(notes)
         if len(rho_logs) == len(sp.seeds) and sp.seeds:
             sp.rho = _geo(rho_logs) if len(rho_logs) > 1 else _geo(windows[0])

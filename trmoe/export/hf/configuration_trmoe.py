@@ -31,6 +31,8 @@ class TRMoEConfig(PretrainedConfig):
         routing_strategy: str = "modulo_cyclic",
         route_key: str = "token",
         route_salts: list[int] | None = None,
+        combine: str = "fixed",
+        dense_layers: list[int] | None = None,
         rms_norm_eps: float = 1e-6,
         use_cache: bool = True,
         bos_token_id: int = 199999,
@@ -58,6 +60,8 @@ class TRMoEConfig(PretrainedConfig):
         self.routing_strategy = routing_strategy  # informative: the route tables themselves are weights
         self.route_key = route_key  # token: the route tables; prev | bigram | position: hashed per batch
         self.route_salts = list(route_salts or [])  # per layer, the hash's salt (route_key other than token)
+        self.combine = combine  # fixed: w by p; learned: each routed layer's combine_gate (DeepSeek-V4)
+        self.dense_layers = list(dense_layers or [])  # layers without routed experts: a wider shared SwiGLU
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
         kwargs["tie_word_embeddings"] = False  # the head reads model.embed.weight directly: nothing to tie

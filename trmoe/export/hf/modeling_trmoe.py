@@ -13,6 +13,10 @@
               base = mix32(x ^ s) mod E, stride = units[mix32(x + (s ^ 0x85EBCA77)) mod |units|],
               r_k = (base + k stride) mod E, s = config.route_salts[layer]
     w_0 = p, w_k = (1 - p)/(K - 1);  g: learnable scalar gates;  a, b: fixed per-layer scales
+    config.combine == "learned" (DeepSeek-V4's gate): w_k = c_{r_k} / Σ_j c_{r_j}, c = sqrt(softplus(x W_cᵀ))
+            (fp32), W_c [E, H] the layer's combine_gate; the routes stay the table's
+    a layer in config.dense_layers: FFN(x) = a·S'(x), one SwiGLU of width shared_width + K·routed_width/E
+            (the routed layers' active width), no routed experts, no gates
 
 Attention: bias-free fused q/k/v, per-head RMSNorm on q and k, rotate-half RoPE over the full head dimension,
 causal SDPA with key/value heads shared by groups of query heads. Decoding uses transformers' Cache.
@@ -154,33 +158,51 @@ class RoutedExperts(nn.Module):
         K, p = config.num_experts_per_tok, config.primary_weight
         self.route_weights = [1.0] if K == 1 else [p] + [(1.0 - p) / (K - 1)] * (K - 1)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, factor) -> torch.Tensor:
-        """x [N, H], token_ids [N] -> factor · Σ_k w_k E_{r_k(t)}(x): each token through its K experts."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, factor, gate=None) -> torch.Tensor:
+        """x [N, H], token_ids [N] -> factor · Σ_k w_k E_{r_k(t)}(x): each token through its K experts; the
+        w_k from `gate` (the layer's learned combine gate, an nn.Linear) when given, else p."""
         out = torch.zeros_like(x)
-        if self.salt is None:
-            routes = self.route_table[:, token_ids].long()  # [K, N]
-        else:  # token_ids are the route keys here
-            base = mix32(token_ids ^ self.salt) % self.w_in.shape[0]
-            units = torch.tensor(self.units, device=x.device)
-            stride = units[mix32(token_ids + (self.salt ^ 0x85EBCA77)) % units.shape[0]]
-            k = torch.arange(len(self.route_weights), device=x.device).unsqueeze(1)
-            routes = (base + k * stride) % self.w_in.shape[0]
+        routes = self.routes(token_ids, x.device)
+        weights = None
+        if gate is not None:  # sqrt(softplus(logits)) of the K routed experts, normalised over them
+            logits = gate(x).float()
+            g = F.softplus(logits).sqrt().gather(1, routes.t())  # [N, K]
+            weights = (g / g.sum(-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)).to(x.dtype)
         for k, weight in enumerate(self.route_weights):
             for e in range(self.w_in.shape[0]):
                 rows = (routes[k] == e).nonzero().squeeze(-1)
                 if rows.numel():
-                    y = swiglu(x[rows], self.w_in[e], self.w_out[e] * (weight * factor))
+                    if weights is None:
+                        y = swiglu(x[rows], self.w_in[e], self.w_out[e] * (weight * factor))
+                    else:
+                        y = swiglu(x[rows], self.w_in[e], self.w_out[e] * factor) * weights[rows, k : k + 1]
                     out.index_add_(0, rows, y)
         return out
+
+    def routes(self, token_ids: torch.Tensor, device) -> torch.Tensor:
+        """[K, N] expert ids of the route keys token_ids [N]: the table's, or the hashed key's."""
+        if self.salt is None:
+            return self.route_table[:, token_ids].long()  # [K, N]
+        else:  # token_ids are the route keys here
+            base = mix32(token_ids ^ self.salt) % self.w_in.shape[0]
+            units = torch.tensor(self.units, device=device)
+            stride = units[mix32(token_ids + (self.salt ^ 0x85EBCA77)) % units.shape[0]]
+            k = torch.arange(len(self.route_weights), device=device).unsqueeze(1)
+            routes = (base + k * stride) % self.w_in.shape[0]
+        return routes
 
 
 class FFN(nn.Module):
     def __init__(self, config: TRMoEConfig, layer_idx: int):
         super().__init__()
-        self.shared = (
-            SharedExpert(config.hidden_size, config.shared_width) if config.shared_width > 0 else None
-        )
-        self.routed = RoutedExperts(config, layer_idx) if config.routed_width > 0 else None
+        dense = layer_idx in config.dense_layers  # the shared SwiGLU widened by K experts' width, no routes
+        width = config.shared_width
+        if dense:
+            width += config.num_experts_per_tok * (config.routed_width // config.num_experts)
+        self.shared = SharedExpert(config.hidden_size, width) if width > 0 else None
+        self.routed = RoutedExperts(config, layer_idx) if config.routed_width > 0 and not dense else None
+        learned = config.combine == "learned" and self.routed is not None and config.num_experts > 1
+        self.combine_gate = nn.Linear(config.hidden_size, config.num_experts, bias=False) if learned else None
         gated = config.gates and self.shared is not None and self.routed is not None
         self.shared_gate = nn.Parameter(torch.ones(())) if gated else None
         self.routed_gate = nn.Parameter(torch.ones(())) if gated else None
@@ -196,7 +218,7 @@ class FFN(nn.Module):
             y = y + swiglu(x, self.shared.w_in, self.shared.w_out * factor)
         if self.routed is not None:
             factor = self.routed_scale * (1.0 if self.routed_gate is None else self.routed_gate.to(x.dtype))
-            y = y + self.routed(x, token_ids, factor)
+            y = y + self.routed(x, token_ids, factor, self.combine_gate)
         return y.reshape(shape)
 
 
