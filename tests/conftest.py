@@ -186,6 +186,7 @@ def exported(text_run, tmp_path_factory) -> Path:
 # of few tests (the scaling-law coverage, the SLURM and submitit jobs) started last and left the other core
 # idle at the end. Longest first, the short files fill in around the long ones.
 LONGEST_FIRST = (
+    "test_scaling_doc.py",  # a real shortened ladder_smoke (~200 s of CPU): docs/scaling.md's excerpt
     "test_scaling_laws.py",
     "test_downstream.py",
     "test_train.py",

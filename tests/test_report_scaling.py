@@ -226,14 +226,78 @@ def test_report_csv_equals_a_recomputation_from_the_runs_files(report):
             assert fits[name] == pytest.approx(value, rel=1e-9), (arm, name)
 
 
-def test_the_plots_exist(report, tmp_path):
+def _panels(png: Path) -> list[dict]:
+    """What the PNG says each panel holds (its `Axes` text chunk: trmoe.report.scaling_plots.describe)."""
+    from PIL import Image
+
+    return json.loads(Image.open(png).text["Axes"])
+
+
+def _edge_pixels(png: Path) -> np.ndarray:
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    return np.concatenate([pixels[:2].reshape(-1, 3), pixels[-2:].reshape(-1, 3),
+                           pixels[:, :2].reshape(-1, 3), pixels[:, -2:].reshape(-1, 3)])  # fmt: skip
+
+
+def test_the_plots_show_the_runs_mark_where_they_end_and_the_targets_beyond(report, tmp_path):
+    """Read back from the PNGs: the compute axis spans the runs (before: out to the 8b target, 2.8 decades
+    beyond, every run in its left tenth), "last run" marks the end of the data, the targets are named
+    beyond it, nothing drawn is infinite or a finite stand-in for it (before: a band's unbounded end drawn
+    at 1e6), and nothing is cut at the image's edge (titles, labels, the marks right of the axis)."""
     from trmoe.report.scaling_plots import plot_scaling
 
     _, rep = report
     written = plot_scaling(rep.scaling, tmp_path)
     names = ["scaling_loss_vs_compute.png", "scaling_multiplier.png", "scaling_backtest.png"]
     assert [p.name for p in written] == names
-    assert all(p.stat().st_size > 10_000 for p in written)
+    cs = [p.C for a in rep.scaling.arms for p in a.points]
+    for png in written[:2]:  # compute on x
+        (panel,) = _panels(png)
+        lo, hi = panel["xlim"]
+        assert lo <= min(cs) and max(cs) <= hi, (png.name, panel["xlim"])
+        assert math.log10(hi / max(cs)) < 0.5 and math.log10(min(cs) / lo) < 0.5, (png.name, panel["xlim"])
+        span = math.log10(hi / lo)  # the marks right of the axis: within a tenth of its width
+        assert lo * (1 - 1e-9) <= panel["x"][0] and math.log10(panel["x"][1] / hi) <= 0.1 * span, panel["x"]
+        (bottom, top), (y0, y1) = panel["ylim"], panel["y"]  # drawn within the axis (up to rounding)
+        assert bottom * (1 - 1e-9) <= y0 and y1 <= top * (1 + 1e-9) and top < 1e6, (png.name, panel["y"])
+        assert panel["infinite"] == 0, png.name
+        assert "last run" in panel["texts"], png.name
+        note = next(t for t in panel["texts"] if t.startswith("targets"))
+        assert "1b: C 8.99e+19, 1.0 decades beyond" in note and "8b: C 6.4e+21, 2.8 decades beyond" in note
+    for png in written:
+        (panel,) = _panels(png)
+        assert panel["xlabel"] and (panel["ylabel"] or png.name == "scaling_backtest.png")
+        assert (_edge_pixels(png) > 0.99).all(), png.name  # a white margin all round: nothing cut
+
+
+def test_an_unbounded_band_is_clipped_to_the_axis_and_marked_on_its_edge(tmp_path):
+    """A band whose upper end is infinite (a multiplier beyond the control's floor) or far beyond the axis,
+    then with no lower end either (not estimable: nan, inf): filled to the axis's edges, a triangle on each
+    edge where it goes on, and no value of it drawn beyond the axis (before: an infinite end drawn at 1e6);
+    where there is no interval at all (nan, nan), no band."""
+    from trmoe.report.plots import pyplot
+    from trmoe.report.scaling_plots import _band, _save
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    x = np.geomspace(1e10, 1e12, 60)
+    high = np.select([x < 1e11, x < 2e11, x < 6e11], [3.0, 1e9, math.inf], math.nan)
+    low = np.where(x < 3e11, 0.5, math.nan)
+    ax.plot(x, np.ones_like(x))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(0.1, 10.0)
+    assert _band(ax, x, low, high, "tab:blue", (0.1, 10.0))
+    (panel,) = _panels(_save(fig, tmp_path / "band.png"))
+    assert panel["infinite"] == 0 and panel["ylim"] == [0.1, 10.0]
+    assert panel["y"] == pytest.approx([0.1, 10.0], rel=1e-9)  # the band's ends at the axis's edges
+    marks = {m: [xy for line in ax.lines if line.get_marker() == m for xy in line.get_xydata()] for m in "^v"}
+    assert marks["^"] and all(y == 10.0 and 1e11 <= x < 6e11 for x, y in marks["^"])
+    assert marks["v"] and all(y == 0.1 and 3e11 <= x < 6e11 for x, y in marks["v"])
+    (band,) = ax.collections
+    assert max(v[0] for p in band.get_paths() for v in p.vertices) < 6e11  # none without an interval
 
 
 def test_downstream_accuracy_is_fitted_through_the_loss(report):

@@ -221,6 +221,13 @@ def test_the_fallback_interpolates_each_rungs_loss_against_compute():
     assert interpolated_multiplier(control, control, 1e7, float(C[0]))[0] == pytest.approx(1.0)
     k, why = interpolated_multiplier(control, arm, 1e7, float(C[2]))  # below the control's runs
     assert math.isnan(k) and why == "the arm's loss is outside the control's runs at this rung"
+    # a routed arm's N at the rung is below its dense control's (same total, fewer active): its own N
+    # (before: looked up at the control's N, "no runs at this rung" on every real ladder)
+    routed = Arm(0.8 * N, D, 5 * (1.5 * KAPPA * 0.8 * N * D) ** -0.02, [0, 0, 0], KAPPA)
+    at = float(KAPPA * 0.8e7 * D[1])
+    assert interpolated_multiplier(control, routed, 1e7, at)[1] == "no runs at this rung"
+    k, why = interpolated_multiplier(control, routed, 1e7, at, arm_N=0.8e7)
+    assert why == "" and k == pytest.approx(1.5, rel=1e-9)
 
 
 def test_identical_arms_are_not_told_apart_and_printed_intervals_hold_the_truth():

@@ -165,13 +165,13 @@ def analyse(
         missing=missing,
     )
     out.max_loss = _ln_vocab(ladder_runs)
-    rung_n = []  # the control's N at each rung (the fallback's rungs)
+    rung_n = []  # the control's rungs (the fallback's): their label, the control's N
     if ctrl is not None:
         rungs = sorted({p.rung for p in ctrl.points})
         for rung in rungs:
             at = [p for p in ctrl.points if p.rung == rung]
             out.at.append((f"rung {at[0].rung_label}", float(np.exp(np.mean([np.log(p.C) for p in at])))))
-            rung_n.append(at[0].N)
+            rung_n.append((rung, at[0].N))
     out.at += [(t.name, t.C) for t in targets]
     extra = out.extra = [(t.C, t.C / (out.target_n(t) * t.D)) for t in targets]
     for arm in arms:
@@ -200,9 +200,11 @@ def analyse(
     for arm in arms:
         c = arm.comparison
         if ctrl is not None and arm is not ctrl and not arm.refused and (c is None or c.reason):
+            # each arm's own N at the rung: a dense control's is larger than a routed arm's of one total
+            mine = {p.rung: p.N for p in arm.points}
             arm.fallback = [
-                sl.interpolated_multiplier(ctrl.data, arm.data, n, C)
-                for n, (_, C) in zip(rung_n, out.at, strict=False)
+                sl.interpolated_multiplier(ctrl.data, arm.data, n, C, arm_N=mine.get(rung, math.nan))
+                for (rung, n), (_, C) in zip(rung_n, out.at, strict=False)
             ]
     for arm in arms:
         d = arm.data

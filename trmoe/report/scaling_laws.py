@@ -428,14 +428,18 @@ def compare(
     return Comparison(C, k, bounds[:, 0], bounds[:, 1], *fits, reps[0], reps[1], paired, "", decades)
 
 
-def interpolated_multiplier(control: Arm, arm: Arm, N: float, C: float) -> tuple[float, str]:
+def interpolated_multiplier(
+    control: Arm, arm: Arm, N: float, C: float, *, arm_N: float | None = None
+) -> tuple[float, str]:
     """The fallback where a law is not identified: k at rung N and compute C from the runs alone. Each
     arm's loss against compute at that rung (mean log L per budget, log-log, linear between budgets); the
     arm's loss at C, and the control's compute reaching that loss: k = C_control / C. (nan, why) where C is
-    outside the arm's runs at the rung, or the loss outside the control's, or a curve does not fall."""
+    outside the arm's runs at the rung, or the loss outside the control's, or a curve does not fall.
+    `arm_N`: the arm's N at that rung where it is not the control's (a dense control matched to a routed
+    arm's total has every parameter active, so its N is larger at the same rung)."""
     curves = []
-    for a in (control, arm):
-        mine = a.N == N
+    for a, n in ((control, N), (arm, N if arm_N is None else arm_N)):
+        mine = a.N == n
         if not mine.any():
             return math.nan, "no runs at this rung"
         c = np.log(np.broadcast_to(a.kappa, a.N.shape)[mine] * a.N[mine] * a.D[mine])
