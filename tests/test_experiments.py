@@ -348,15 +348,17 @@ def test_hash_vs_learned_smoke_grid_runs_and_its_report_lists_every_arm(tmp_path
 
 @pytest.mark.slow
 def test_controls_2026_smoke_grid_reports_verdicts_and_its_distilled_jobs_read_their_parents(tmp_path):
-    """The whole controls_2026_smoke grid (12 jobs, 2 steps each; checkpoints on: the parents' are what is
-    distilled): every arm finishes at the target, report.md has a TOST verdict and an effective speed-up row
-    per arm, and each distilled job counted the learned_v3 job of its own seed, which ran before it."""
+    """The whole controls_2026_smoke grid (12 jobs cut to 12 steps; checkpoints on, the final one only: the
+    parents' are what is distilled): every arm finishes at the target, the report holds a TOST verdict and an
+    effective speed-up with its 95% interval (= k × ρ) per arm against learned_v3, and each distilled job
+    counted the learned_v3 job of its own seed, which ran before it."""
     import shutil
 
     arms = _grid("controls_2026_smoke").hydra.sweeper.params["arm"].split(",")
     names = [a.rsplit("/", 1)[1] for a in arms]
     assert names.index("learned_v3") < names.index("distilled")
-    tiny = [o for o in TINY_RUN if not o.startswith("checkpoint.")]
+    tiny = [o for o in TINY_RUN if not o.startswith(("checkpoint.", "trainer.steps", "trainer.eval_every"))]
+    tiny += ["trainer.steps=12", "trainer.eval_every=4", "checkpoint.every_steps=0", "checkpoint.keep_last=1"]
     run = [
         "-m",
         "experiment=controls_2026_smoke",
@@ -381,6 +383,17 @@ def test_controls_2026_smoke_grid_reports_verdicts_and_its_distilled_jobs_read_t
             line = next(x for x in equivalence.splitlines() if x.startswith(f"| arm={arm} | 2 |"))
             assert re.search(r"\| (better|worse|equivalent within δ=0\.01|inconclusive) \|$", line), line
             assert any(x.startswith(f"| arm={arm} | 2 |") for x in speed.splitlines()), arm
+        with open(grid / "report_verdicts.csv", newline="") as f:
+            verdict_rows = list(csv.DictReader(f))
+        for arm in arms:
+            if arm.endswith("/learned_v3"):
+                continue
+            mine = {v["measure"]: v for v in verdict_rows if v["arm"] == f"arm={arm}"}
+            effective = mine["effective_speedup"]
+            value, low, high = (float(effective[k]) for k in ("value", "low", "high"))
+            assert 0 < low < value < high, (arm, effective)
+            k, rho = float(mine["compute_multiplier"]["value"]), float(mine["throughput_ratio"]["value"])
+            assert value == pytest.approx(k * rho)
         jobs = {
             p: OmegaConf.load(p / ".hydra" / "overrides.yaml") for p in grid.iterdir() if p.name.isdigit()
         }
@@ -392,8 +405,8 @@ def test_controls_2026_smoke_grid_reports_verdicts_and_its_distilled_jobs_read_t
             seed = next(o for o in jobs[child] if o.startswith("trainer.seed="))
             assert "arm=controls_2026/learned_v3" in jobs[parent] and seed in jobs[parent]
             assert int(parent.name) < int(child.name)  # ran before it
-            assert record["from"] == "arm:learned_v3" and record["tokens"] == 2000 and record["step"] == 2
-            read = f"distilled from {parent.name}/checkpoints/step_00000002 (step 2"
+            assert record["from"] == "arm:learned_v3" and record["tokens"] == 2000 and record["step"] == 12
+            read = f"distilled from {parent.name}/checkpoints/step_00000012 (step 12"
             assert read in (child / "train.log").read_text().replace(str(grid) + "/", "")
     finally:
         for checkpoints in grid.glob("*/checkpoints"):  # 150 MB each
