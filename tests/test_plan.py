@@ -359,6 +359,24 @@ def test_experiment_routing_ablation_on_a_cpu_is_refused_in_one_line_with_its_es
     assert took < 120, took
 
 
+def test_a_ladder_sweep_is_estimated_on_its_jobs_runs_not_on_trainer_steps(tmp_path):
+    """A ladder job's own trainer.steps is unset (the ladder sets each run's): the estimate counts the job's
+    stable run and its branches' decays (trmoe.config.ladder.LadderPlan.job_steps). Before, the sweep check
+    passed on the default 150 steps and every job made its folder, then refused its stable run."""
+    from trmoe.config.derived import global_batch_tokens
+    from trmoe.config.ladder import plan
+
+    cfg = to_config(compose_config("experiment=ladder", "ladder.rung=3", "hardware.device=cpu"))
+    lp = plan(cfg, global_batch_tokens(cfg.trainer, 1))
+    assert lp.job_steps == lp.stable_steps + sum(b.steps - b.branch_step for b in lp.budgets) > 100_000
+    result = cli(["experiment=ladder", "ladder.rung=3", "hardware.device=cpu"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"({lp.job_steps:,} steps x 4,096 tokens" in lines[0], lines
+    assert "ladder budgets" in lines[0] and lines[0].endswith("nothing was launched")
+    assert list(tmp_path.rglob("*")) == []
+
+
 def test_a_single_run_over_the_limit_is_refused_and_the_named_override_accepts_it(tmp_path):
     """A run refused in one line (exit 2, nothing written) names the trainer.max_hours that accepts it; that
     launch runs, and its train.log holds the estimate it logged before step 1."""

@@ -137,6 +137,11 @@ class LadderPlan:
     def horizon(self) -> int:
         return max(b.steps for b in self.budgets)
 
+    @property
+    def job_steps(self) -> int:
+        """Optimizer steps of the whole job: the stable run and each branch's decay."""
+        return self.stable_steps + sum(b.steps - b.branch_step for b in self.budgets)
+
 
 def _check_keys_it_sets(cfg: Config) -> None:
     """A job's keys that the ladder sets per run (trmoe.train.ladder's stable and branch configs) would be

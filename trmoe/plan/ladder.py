@@ -39,8 +39,7 @@ def ladder_view(cfg: Config, sweep_params: dict, tokens_per_step: int, world: in
         counts = parameter_counts(spec)
         per_token = flops_breakdown(spec, counts, cfg.trainer.seq_len).total
         lp = ladder_plan(cfg, tokens_per_step, r)
-        job_steps = lp.stable_steps + sum(b.steps - b.branch_step for b in lp.budgets)
-        job_tokens = job_steps * tokens_per_step
+        job_tokens = lp.job_steps * tokens_per_step
         rungs.append(
             {
                 "rung": r,

@@ -78,8 +78,8 @@ def check(cfg: Config, wall: WallTime) -> None:
     accept = max(int(limit) + 1, int(wall.seconds / 3600 * 1.5) + 1)  # room above the bound, which is low
     raise UserError(
         f"config error: trainer.max_hours={limit:g}: this run needs {wall.line()}; allowed: a smaller run "
-        f"(fewer trainer.steps, a smaller model or batch, an experiment's _smoke), a GPU, or "
-        f"trainer.max_hours={accept} (null: no limit) to accept it"
+        f"(fewer trainer.steps or ladder budgets, a smaller model or batch, an experiment's _smoke), a GPU, "
+        f"or trainer.max_hours={accept} (null: no limit) to accept it"
     )
 
 
@@ -96,6 +96,16 @@ def check_config(cfg: Config) -> WallTime | None:
         return None
     if device.type != "cpu" or cfg.trainer.max_hours is None:
         return None  # only a CPU launch can be refused: estimating (a GEMM probe) would only cost time
-    wall = estimate(cfg, model_spec(cfg), device, amp_dtype, cfg.trainer.steps)
+    wall = estimate(cfg, model_spec(cfg), device, amp_dtype, job_steps(cfg))
     check(cfg, wall)
     return wall
+
+
+def job_steps(cfg: Config) -> int:
+    """The optimizer steps a launch of `cfg` trains: trainer.steps, or a ladder job's stable run and branches
+    (its own trainer.steps is unset: the ladder sets each run's)."""
+    if cfg.ladder.name is None:
+        return cfg.trainer.steps
+    from trmoe.config.ladder import plan
+
+    return plan(cfg, global_batch_tokens(cfg.trainer, 1), job=False).job_steps
