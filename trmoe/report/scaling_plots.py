@@ -13,10 +13,10 @@ extent of everything drawn, its texts): what the tests and a reader's tools read
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from trmoe.durable import json_text
 from trmoe.report.plots import colors_of, pyplot, titles
 
 MARGIN = 10**0.2  # x room each side of the runs' compute (a fifth of a decade)
@@ -277,7 +277,7 @@ def _save(fig, path: Path) -> Path:
     drawn one (bbox_inches="tight"): the edge marks and notes outside the axes are not cut."""
     fig.tight_layout()
     fig.canvas.draw()  # the limits and texts as they are drawn
-    meta = {"Title": titles(fig), "Axes": json.dumps(describe(fig))}
+    meta = {"Title": titles(fig), "Axes": json_text(describe(fig))}
     fig.savefig(path, dpi=100, metadata=meta, bbox_inches="tight", pad_inches=0.15)
     pyplot().close(fig)
     return path
