@@ -120,9 +120,11 @@ def test_every_experiment_composes_and_every_arm_resolves_on_its_target(name, em
     assert str(hc.hydra.mode) == "RunMode.MULTIRUN"  # `experiment=<name>` launches the whole grid
     params = hc.hydra.sweeper.params
     arms = params["arm"].split(",")
-    assert len(arms) >= (2 if name == "ladder_smoke" else 4)
+    assert len(arms) >= (2 if name in ("ladder_smoke", "ladder_cpu") else 4)
     control = hc.hydra.callbacks.report.control
     assert control.removeprefix("arm=") in arms
+    if name == "ladder_cpu":
+        return  # reads a dataset prepared first (its tokenizer sets the vocabulary): tests/test_ladder.py
     to_config(compose_config(f"experiment={name}"))  # the grid's base config resolves without an arm
     if name.startswith("seeds"):
         assert params["trainer.seed"] == "42,43,44"

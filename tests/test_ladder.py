@@ -154,6 +154,68 @@ def test_the_planner_shows_every_rung_before_anything_runs(tmp_path):
     assert "time not estimated" in text and list(tmp_path.iterdir()) == []
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ladder_cpu_prepare() -> str:
+    """The one command docs/scaling.md gives for ladder_cpu's tokenizer and shards."""
+    lines = [
+        line.split("#")[0].strip()
+        for line in (ROOT / "docs" / "scaling.md").read_text().splitlines()
+        if line.startswith("python -m trmoe.data.prepare --embedded") and "--out data/ladder_cpu" in line
+    ]
+    assert len(set(lines)) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ladder_cpu_cwd(tmp_path_factory) -> Path:
+    """A working directory holding ladder_cpu's dataset, made by the command docs/scaling.md gives (the
+    experiment's data.path is relative to it, as from the repository root)."""
+    prepare = _ladder_cpu_prepare()
+    assert prepare in (ROOT / "conf/experiment/ladder_cpu.yaml").read_text()  # its comment says the same
+    command = prepare.split()[3:]
+    root = tmp_path_factory.mktemp("ladder_cpu")
+    result = cli([*command, "--workers", "0"], root, module="trmoe.data.prepare")
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_ladder_cpu_is_compute_dominated_by_its_non_embedding_part_as_the_docs_say(ladder_cpu_cwd):
+    """kappa = C / (N D) within a factor 2 of 6 at every rung (the tied head a fraction of the compute), the
+    largest budget ~20 tokens per non-embedding parameter, and the docs' rung table is the planner's."""
+    result = cli(["experiment=ladder_cpu", "--json"], ladder_cpu_cwd, module="trmoe.plan")
+    assert result.returncode == 0, result.stderr
+    plan_json = json.loads(result.stdout)
+    view = plan_json["ladder"]
+    assert (len(view["rungs"]), view["arms"], view["jobs"], view["runs"]) == (4, 2, 8, 32)
+    docs = (ROOT / "docs" / "scaling.md").read_text()
+    for r in view["rungs"]:
+        p = r["params"]
+        n = p["active_non_embedding"]
+        assert r["kappa"] == pytest.approx(r["flops_per_token"] / n)
+        assert 3 <= r["kappa"] <= 12, r
+        per_param = [b["tokens_per_param"] for b in r["budgets"]]
+        assert per_param[0] >= 4.5 and per_param[-1] >= 15, per_param
+        budgets = ", ".join(f"{b['tokens']:,}" for b in r["budgets"])
+        row = f"| {r['label']} | {p['total']:,} | {n:,} | {r['kappa']:.3g} | {budgets} |"
+        assert row in docs, row
+    vocab = int(_ladder_cpu_prepare().split("--vocab-size ")[1].split()[0])  # the documented tokenizer's ids
+    model = plan_json["model"]  # rung 0: its embedding rows are the tokenizer's ids, from its tokenizer.json
+    assert model["params"]["embedding"] == vocab * model["hidden_size"]
+    grid = sum(r["job_tokens"] for r in view["rungs"]) * view["arms"]
+    assert f"{grid:,} tokens" in docs
+    data = f"data.path={ladder_cpu_cwd / 'data' / 'ladder_cpu'}"
+    for rung in range(4):  # both arms land on the rung's total
+        for arm in ("hash_vs_learned/dense", "hash_vs_learned/modulo_cyclic"):
+            cfg = to_config(
+                compose_config("experiment=ladder_cpu", data, f"arm={arm}", f"ladder.rung={rung}")
+            )
+            assert cfg.model.vocab_size == vocab
+            solution = solve_match(cfg)
+            assert solution.exact and solution.total == view["rungs"][rung]["params"]["total"], solution
+
+
 # --- a tiny real ladder -----------------------------------------------------------------------------------
 
 VOCAB = 128

@@ -4,7 +4,9 @@ counts, budgets, tokens, FLOPs and time before anything runs (docs/scaling.md).
 Per rung (its reference model, trmoe.config.ladder): total, active and non-embedding active parameters
 (N = active - embedding); per budget b its tokens D_b, steps B_b and branch point p_b; the FLOPs of a budget
 C_b = F · D_b with F the training FLOPs per token (trmoe.model.flops: 6 × active non-embedding + attention
-+ the tied head); and what one job trains: the stable run (p_max steps) plus every decay (B_b - p_b), so
++ the tied head); κ = F / N = C_b / (N · D_b), 6 where the non-embedding matrix multiplies are all the compute
+(a large tied head or long sequences raise it: the fits' N then misses most of C); and what one job trains:
+the stable run (p_max steps) plus every decay (B_b - p_b), so
 
     job tokens = T · (p_max + Σ_b (B_b - p_b))        grid = Σ_rungs job × arms × seeds
 
@@ -39,6 +41,7 @@ def ladder_view(cfg: Config, sweep_params: dict, tokens_per_step: int, world: in
         counts = parameter_counts(spec)
         per_token = flops_breakdown(spec, counts, cfg.trainer.seq_len).total
         lp = ladder_plan(cfg, tokens_per_step, r)
+        n = counts.active - counts.embedding
         job_tokens = lp.job_steps * tokens_per_step
         rungs.append(
             {
@@ -47,8 +50,9 @@ def ladder_view(cfg: Config, sweep_params: dict, tokens_per_step: int, world: in
                 "hidden_size": spec.hidden_size,
                 "num_layers": spec.num_layers,
                 "num_heads": spec.num_heads,
-                "params": {**counts.to_dict(), "active_non_embedding": counts.active - counts.embedding},
+                "params": {**counts.to_dict(), "active_non_embedding": n},
                 "flops_per_token": per_token,
+                "kappa": per_token / n,  # C / (N D): 6 when the non-embedding GEMMs are all the compute
                 "budgets": [
                     {
                         "tokens": b.tokens,
@@ -98,8 +102,8 @@ def render_ladder(view: dict, duration) -> list[str]:
         f"seed{plural} = "
         f"{view['jobs']} jobs, {view['runs']} runs; lr rule {view['lr_rule']}; per rung its hash-routed "
         "reference model; N = active non-embedding)",
-        f"  {'rung':<10}{'layers':>7}{'total':>14}{'active':>14}{'N':>12}  budgets: tokens (tokens/N, "
-        "steps, branch step, FLOPs)",
+        f"  {'rung':<10}{'layers':>7}{'total':>14}{'active':>14}{'N':>12}{'kappa':>7}  budgets: tokens "
+        "(tokens/N, steps, branch step, FLOPs)",
     ]
     for r in view["rungs"]:
         p = r["params"]
@@ -110,7 +114,7 @@ def render_ladder(view: dict, duration) -> list[str]:
         )
         lines.append(
             f"  {r['label']:<10}{r['num_layers']:>7}{p['total']:>14,}{p['active']:>14,}"
-            f"{p['active_non_embedding']:>12,}  {budgets}"
+            f"{p['active_non_embedding']:>12,}{r['kappa']:>7.3g}  {budgets}"
         )
         time = "" if r["job_seconds"] is None else f", {duration(r['job_seconds'])}"
         lines.append(f"  {'':<10}  one job: {r['job_tokens']:,} tokens, {r['job_flops']:.2e} FLOPs{time}")

@@ -61,7 +61,8 @@ SECTIONS = [
         "ladder",
         schema.LadderConfig,
         "A scaling ladder: rungs by one width/depth rule x arms x seeds x token budgets, each budget a "
-        "cooldown branch of one stable run (`experiment=ladder`, `ladder_smoke`; see docs/scaling.md).",
+        "cooldown branch of one stable run (`experiment=ladder`, `ladder_cpu`, `ladder_smoke`; see "
+        "docs/scaling.md).",
     ),
     (
         "logger",
