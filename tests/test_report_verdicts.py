@@ -154,6 +154,25 @@ def test_the_effective_speed_up_is_the_product_of_its_parts(tmp_path):
     assert "### Effective speed-up" in md and "0.500×" in md
 
 
+def test_an_arm_below_the_controls_lowest_loss_is_measured_there_with_its_planted_k(tmp_path):
+    """An arm twice as compute-efficient (its loss at D is the control's at 2D: k = 2) ends below anything the
+    control reached; k is measured at the control's lowest loss, which the arm reaches at half the tokens (an
+    evaluation step of both: exact), and the report says so per seed. Several noise seeds of the throughput:
+    k never moves, only rho does."""
+    for case in range(5):
+        rng = np.random.default_rng(case)
+        sweep = sweep_dir(tmp_path / f"b{case}", ["control", "arm"], 2)
+        for seed in range(2):
+            write_run(sweep / f"c{seed}", arm="control", seed=seed, loss=control_curve, tok_s=1000, rng=rng)
+            write_run(sweep / f"a{seed}", arm="arm", seed=seed, loss=lambda d: control_curve(2 * d),
+                      tok_s=1000, rng=rng)  # fmt: skip
+        (sp,) = build_report([sweep], make_plots=False).verdicts.speedups
+        assert [k for _, k, _ in sp.per_seed] == [pytest.approx(2.0, rel=1e-9)] * 2, sp.per_seed
+        assert sp.k[0] == pytest.approx(2.0, rel=1e-9)
+        assert sp.effective[0] == pytest.approx(sp.k[0] * sp.rho[0], rel=1e-12)
+        assert "seed 0: k at the control's lowest loss (the arm's final is below it)" in sp.notes
+
+
 def test_the_throughput_ratio_is_refused_across_thread_counts(tmp_path):
     sweep = _speed_sweep(tmp_path / "t", arm_threads=2)
     rep = build_report([sweep], make_plots=False)
