@@ -151,11 +151,10 @@ def test_json_text_names_non_finite_numbers_and_number_reads_them_back():
 IN_MEMORY_JSON = {
     "report/checks.py": "a config value flattened to a comparable string",
     "report/ladder.py": "a run's data config as a comparison key (arms on other data are refused)",
-    "train/init_from.py": "the hash of the parent's file records",
-    "distill.py": "the hash of the parent checkpoint's file records",
     "data/build.py": "the hash of a data description",
     "eval/lm.py": "a grouping key of the harness's requests",
-    "run/checkpoint.py": "meta.json as written before json_text (old seals verify), a message's excerpt",
+    "run/checkpoint.py": "meta.json as written before json_text (old seals verify), a message's excerpt, "
+    "the hash of a checkpoint's file records (files_digest)",
     "run/identity.py": "a JSON round trip of data_info into plain values, and the hash of the critical keys",
 }
 

@@ -21,8 +21,6 @@ content hash), the tokens counted and the rules.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from trmoe.config.validate import layer_strategies
 from trmoe.errors import UserError
 from trmoe.model.routing import DISTILL_FALLBACK, REGISTRY
 from trmoe.run import status
-from trmoe.run.checkpoint import TORCH_PAYLOAD, CheckpointInfo, load_checkpoint
+from trmoe.run.checkpoint import CheckpointInfo
 from trmoe.run.find import find_checkpoint
 
 log = logging.getLogger("trmoe")
@@ -67,8 +65,7 @@ class DistillParent:
 
     @property
     def content_hash(self) -> str:
-        """SHA-256 of the parent checkpoint's file records (sizes and CRC32s, verified: trmoe.run.find)."""
-        return hashlib.sha256(json.dumps(self.info.meta["files"], sort_keys=True).encode()).hexdigest()
+        return self.info.content_hash
 
     def record(self) -> dict[str, Any]:
         """run_config.json's `distilled`."""
@@ -92,7 +89,7 @@ class DistillParent:
         parent_cfg = _stored(self.info)
         spec = model_spec(parent_cfg)
         model = TRMoETransformer(spec)
-        model.load_state_dict(_weights(self.info), strict=True)
+        model.load_state_dict(self.info.model_weights(), strict=True)
         model = model.to(device=device, dtype=torch.float32)
         windows = -(-self.tokens // seq_len)
         self.counted = windows * seq_len
@@ -142,12 +139,6 @@ def _stored(info: CheckpointInfo) -> Config:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except Exception as e:  # another trmoe version's config
         raise UserError(f"{KEY}={info.path}: its config is not readable by this trmoe ({e})") from None
-
-
-def _weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    if info.meta.get("format", "torch") == "torch":
-        return torch.load(info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
-    return load_checkpoint(info.path)["model"]
 
 
 def sibling(given: str, run_dir: Path) -> Path:

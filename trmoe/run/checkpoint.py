@@ -32,6 +32,7 @@ one place.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -78,6 +79,23 @@ class CheckpointInfo:
     path: Path
     step: int
     meta: dict[str, Any]
+
+    @property
+    def content_hash(self) -> str:
+        """What a run started from this checkpoint records of it (trainer.init_from, routing=distilled):
+        files_digest of its verified file records."""
+        return files_digest(self.meta["files"])
+
+    def model_weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors, on the CPU (a dcp checkpoint through load_checkpoint)."""
+        if self.meta.get("format", "torch") == "torch":
+            return torch.load(self.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
+        return load_checkpoint(self.path)["model"]
+
+
+def files_digest(files: dict[str, Any]) -> str:
+    """SHA-256 of file records (name -> size and CRC32): a content identity that reads no payload."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def step_name(step: int) -> str:

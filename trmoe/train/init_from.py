@@ -34,7 +34,6 @@ exact bytes the run started from without hashing gigabytes twice.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -49,11 +48,11 @@ from trmoe.config.spec import model_spec
 from trmoe.errors import UserError, shape_difference
 from trmoe.run.cadence import NEVER, Cadence
 from trmoe.run.checkpoint import (
-    TORCH_PAYLOAD,
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
     file_crc32,
+    files_digest,
     load_local_state,
     model_shapes,
 )
@@ -121,11 +120,7 @@ class InitSource:
 
             state = load_file(str(self.path / SAFETENSORS))
             return {_strip(k, self.export_config): v for k, v in state.items()}
-        if self.info.meta.get("format", "torch") == "torch":
-            return torch.load(self.info.path / TORCH_PAYLOAD, map_location="cpu", weights_only=True)["model"]
-        from trmoe.run.checkpoint import load_checkpoint
-
-        return load_checkpoint(self.info.path)["model"]
+        return self.info.model_weights()
 
     def load_data_cursor(self, data, rank: int) -> None:
         """A branch reads on where the parent stopped: its data cursor (a UserError, before anything is
@@ -205,10 +200,6 @@ def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
         model.load_state_dict(state, strict=True)
 
 
-def _digest(files: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def _from_export(path: Path, state: InitState) -> InitSource:
     try:
         config = json.loads((path / "config.json").read_text())
@@ -234,7 +225,7 @@ def _from_export(path: Path, state: InitState) -> InitSource:
         kind="export",
         step=int(step or 0),
         state=state,
-        content_hash=_digest({SAFETENSORS: file_crc32(path / SAFETENSORS)}),
+        content_hash=files_digest({SAFETENSORS: file_crc32(path / SAFETENSORS)}),
         export_config=config,
     )
 
@@ -262,7 +253,7 @@ def find(cfg: Config) -> InitSource:
     except UserError as e:
         raise UserError(f"{KEY}={raw}: {e}") from None
     kind = "converted" if "converted_from" in info.meta else "checkpoint"
-    return InitSource(info.path, kind, info.step, state, _digest(info.meta["files"]), info)
+    return InitSource(info.path, kind, info.step, state, info.content_hash, info)
 
 
 def resolve(cfg: Config, launch, world_size: int) -> InitSource | None:
