@@ -145,10 +145,16 @@ def _drawn_on_a_terminal(lm, monkeypatch) -> str:
         with os.fdopen(slave, "w") as terminal:
             _scored_on(terminal, lm, monkeypatch)
         os.set_blocking(master, False)
-        try:
-            return os.read(master, 65536).decode(errors="replace")
-        except BlockingIOError:  # nothing was written
-            return ""
+        chunks = []  # a pty hands its buffer over in pieces: read until it is empty
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except (BlockingIOError, OSError):  # drained (EIO: the writer's side is closed)
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
     finally:
         os.close(master)
 
